@@ -1,0 +1,173 @@
+"""Typed configuration sections.
+
+Every field carries its own documentation in `metadata["help"]`; `python -m titanlite.train --help`
+prints them all. Ranges live in `metadata["min"]` / `metadata["max"]`; closed sets of choices are
+`Literal[...]` types. Validation against these happens in `titanlite.config.manager`, so a field
+added here is parsed, checked and documented with no further code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def doc(default, help: str, **bounds):
+    """A dataclass field with its help text and optional numeric bounds (min/max, inclusive)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **bounds})
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+@dataclass
+class Job:
+    config_file: str = doc("", "TOML file to read; CLI overrides win over it, it wins over defaults")
+    dump_folder: str = doc("./outputs", "folder for run logs, the resolved config, checkpoints, traces")
+    description: str = doc("", "free text recorded in the run log")
+
+
+@dataclass
+class Model:
+    name: str = doc("llama", "model family from the registry (llama, qwen3)")
+    flavor: str = doc("debug", "size preset of the family (see titanlite.models)")
+    attention_backend: Literal[
+        "auto", "flash_attn_3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "manual"
+    ] = doc("auto", "attention kernel; auto picks the fastest available and logs which")
+    vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = doc("AdamW", "optimizer")
+    lr: float = doc(3e-4, "peak learning rate", min=0.0)
+    beta1: float = doc(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = doc(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = doc(1e-8, "AdamW epsilon", min=0.0)
+    weight_decay: float = doc(0.1, "decoupled weight decay (not applied to norms and biases)", min=0.0)
+    fused: Literal["auto", "true", "false"] = doc("auto", "fused AdamW kernel; auto = on for CUDA")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = doc(200, "linear warm-up steps from 0 to the peak lr", min=0)
+    decay_type: Literal["cosine", "linear", "wsd"] = doc(
+        "cosine", "decay after warm-up; wsd holds the peak, then decays linearly over decay_ratio of the run")
+    decay_ratio: float = doc(0.2, "wsd only: fraction of training steps spent decaying", min=0.0, max=1.0)
+    min_lr_factor: float = doc(0.1, "final lr as a fraction of the peak", min=0.0, max=1.0)
+
+
+@dataclass
+class Training:
+    dataset: str = doc("python_stdlib", "dataset from the registry: synthetic, python_stdlib, or prepared shards (see data)")
+    dataset_path: str = doc("", "folder of prepared shards (python -m titanlite.data.prepare)")
+    local_batch_size: int = doc(8, "sequences per GPU per micro-step", min=1)
+    global_batch_size: int = doc(-1, "sequences per optimizer step over all ranks; -1 = local x data-parallel ranks "
+                                     "(gradient accumulation = global / (local x dp ranks))", min=-1)
+    seq_len: int = doc(2048, "tokens per sequence", min=2)
+    steps: int = doc(1000, "optimizer steps to train", min=1)
+    max_norm: float = doc(1.0, "gradient-norm clip (0 disables clipping)", min=0.0)
+    mixed_precision_param: Literal["bfloat16", "float32"] = doc(
+        "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU always runs float32")
+    seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
+    deterministic: bool = doc(False, "use deterministic algorithms (slower)")
+    on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")
+    cuda_graphs: bool = doc(False, "capture the whole training step as a CUDA graph after warm-up (seed: use_cuda_graphs)")
+    cuda_graphs_warmup: int = doc(10, "eager steps before capture", min=1)
+
+
+@dataclass
+class Data:
+    num_workers: int = doc(2, "DataLoader worker processes (0 = load in the training process)", min=0)
+    prefetch_factor: int = doc(2, "batches each worker prepares ahead", min=1)
+    pin_memory: bool = doc(True, "pin host batches for async H2D copies (CUDA only)")
+    persistent_workers: bool = doc(True, "keep workers alive between epochs")
+
+
+@dataclass
+class Parallelism:
+    data_parallel: Literal["none", "ddp", "zero1", "fsdp", "hsdp"] = doc(
+        "fsdp", "data-parallel mode; with one rank every mode runs the single-device path")
+    replicate_degree: int = doc(1, "hsdp: replicas (outer mesh dim)", min=1)
+    shard_degree: int = doc(-1, "hsdp: shards per replica (-1 = world / replicate_degree)", min=-1)
+    ddp_bucket_cap_mb: int = doc(100, "ddp/zero1: gradient bucket size in MB", min=1)
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
+        "default", "fsdp: free gathered params after forward (default = all but the root)")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = doc(False, "save distributed checkpoints (DCP)")
+    folder: str = doc("checkpoint", "subfolder of dump_folder")
+    interval: int = doc(500, "steps between saves (a final save always happens)", min=1)
+    keep_latest_k: int = doc(3, "complete checkpoints kept (0 = keep all)", min=0)
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = doc("disabled", "save without blocking training")
+    load_step: int = doc(-1, "resume from this step (-1 = newest complete checkpoint)", min=-1)
+    initial_load_path: str = doc("", "start from Hugging Face safetensors (model only)")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = doc("none", "recompute activations in backward to save memory")
+    selective_option: str = doc("op", "selective: 'op' (save matmul outputs, recompute the rest) or N (every N-th block)")
+
+
+@dataclass
+class Compile:
+    enable: bool = doc(False, "torch.compile each TransformerBlock (fullgraph) and the loss")
+    mode: str = doc("default", "torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+
+
+@dataclass
+class Float8:
+    enable: bool = doc(False, "float8 training via torchao on H100-class GPUs")
+    recipe: Literal["tensorwise", "rowwise"] = doc("tensorwise", "torchao float8 scaling recipe")
+    emulate: bool = doc(False, "emulate float8 (for tests on CPU / older GPUs; slow)")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = doc(10, "steps between log lines (host syncs happen only here)", min=1)
+    peak_tflops: float = doc(0.0, "dense bf16 peak per GPU for MFU (0 = from the built-in table)", min=0.0)
+    enable_tensorboard: bool = doc(False, "write TensorBoard scalars under the run folder")
+    progress_bar: bool = doc(True, "show a progress bar on rank 0")
+
+
+@dataclass
+class Profiling:
+    enable: bool = doc(False, "torch.profiler traces for a window of steps, one file per rank")
+    start_step: int = doc(10, "first profiled step", min=1)
+    num_steps: int = doc(3, "profiled steps", min=1)
+    memory_snapshot: bool = doc(False, "also dump a CUDA memory snapshot (CUDA only)")
+
+
+@dataclass
+class Validation:
+    enable: bool = doc(True, "compute validation loss")
+    freq: int = doc(100, "steps between validations (and one at the end)", min=1)
+    steps: int = doc(10, "batches per validation", min=1)
+
+
+@dataclass
+class Debug:
+    inject_data_delay_ms: float = doc(0.0, "sleep this long in the data path of inject_rank (test hook)", min=0.0)
+    inject_rank: int = doc(-1, "rank that receives injected faults (-1 = all ranks)", min=-1)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)

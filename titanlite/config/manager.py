@@ -1,0 +1,267 @@
+"""TOML + CLI configuration: parse, type-check, validate, print, save.
+
+Precedence: CLI > TOML (`--job.config_file`) > dataclass defaults. Every failure raises
+`ConfigError` with a one-line message naming the key or file; `run_cli` turns it into exit code 2.
+This module does not import torch, so `python -m titanlite.config.check` answers in a blink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from titanlite.config.job_config import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """Bad configuration input. The message is one line and names the key or file."""
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(section_cls, include_extras=False)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
+
+
+def _type_name(tp) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(str(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"a comma-separated list of {_type_name(get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _convert(key: str, tp, value: Any) -> Any:
+    """Convert a CLI string or a TOML value to `tp`, or raise ConfigError naming `key`."""
+    bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r}")
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is list:
+        (elem,) = get_args(tp)
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise bad
+        return [_convert(key, elem, v.strip() if isinstance(v, str) else v) for v in items if v != ""]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad
+
+
+def _check_bounds(key: str, f: dataclasses.Field, value: Any) -> None:
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key} must be >= {lo}; got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} must be <= {hi}; got {value}")
+
+
+def _lookup(section: str, key: str):
+    sections = _sections()
+    if section not in sections:
+        near = difflib.get_close_matches(section, sections, n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ConfigError(f"unknown config section '{section}'{hint}; sections: {', '.join(sections)}")
+    fields = _fields(sections[section])
+    if key not in fields:
+        near = difflib.get_close_matches(key, fields, n=1)
+        hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
+        raise ConfigError(f"unknown config key '{section}.{key}'{hint}; {section} keys: {', '.join(fields)}")
+    return fields[key]
+
+
+def _set(cfg: JobConfig, dotted: str, value: Any) -> None:
+    if dotted.count(".") != 1:
+        raise ConfigError(f"config keys look like --section.key; got '--{dotted}'")
+    section, key = dotted.split(".")
+    tp, f = _lookup(section, key)
+    converted = _convert(dotted, tp, value)
+    if isinstance(converted, (int, float)) and not isinstance(converted, bool):
+        _check_bounds(dotted, f, converted)
+    setattr(getattr(cfg, section), key, converted)
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
+    """Turn argv into (dotted key, raw value) pairs; bare boolean flags become True."""
+    pairs, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--"):
+            raise ConfigError(f"unexpected argument '{tok}': options look like --section.key value")
+        body = tok[2:]
+        if "=" in body:
+            k, v = body.split("=", 1)
+            pairs.append((k, v))
+            i += 1
+            continue
+        k = body
+        is_bool = False
+        if k.count(".") == 1 and k.split(".")[0] in _sections():
+            try:
+                is_bool = _lookup(*k.split("."))[0] is bool
+            except ConfigError:
+                pass
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if is_bool and (nxt is None or nxt.startswith("--") or nxt.lower() not in _TRUE | _FALSE):
+            pairs.append((k, True))
+            i += 1
+        elif nxt is None:
+            raise ConfigError(f"--{k} needs a value")
+        else:
+            pairs.append((k, nxt))
+            i += 2
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build a JobConfig from defaults, the TOML named by --job.config_file, then the CLI."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pairs = _split_cli(argv)
+    cfg = JobConfig()
+    config_file = next((v for k, v in pairs if k == "job.config_file"), "")
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"config file not found: {config_file} (--job.config_file)")
+        try:
+            with open(config_file, "rb") as fh:
+                data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{config_file}: top-level key '{section}' must be a [section] table")
+            for key, value in table.items():
+                try:
+                    _set(cfg, f"{section}.{key}", value)
+                except ConfigError as e:
+                    raise ConfigError(f"{config_file}: {e}") from None
+    for k, v in pairs:
+        _set(cfg, k, v)
+    cfg.job.config_file = config_file
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field checks that need no knowledge of the world size."""
+    from titanlite.models import MODEL_REGISTRY  # registry lookups, not string literals
+
+    if cfg.model.name not in MODEL_REGISTRY:
+        raise ConfigError(f"model.name must be one of {', '.join(MODEL_REGISTRY)}; got '{cfg.model.name}'")
+    flavors = MODEL_REGISTRY[cfg.model.name].flavors
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor for {cfg.model.name} must be one of {', '.join(flavors)}; got '{cfg.model.flavor}'")
+    gb, lb = cfg.training.global_batch_size, cfg.training.local_batch_size
+    if gb != -1 and gb < lb:
+        raise ConfigError(f"training.global_batch_size ({gb}) is smaller than training.local_batch_size ({lb})")
+
+
+def resolve_batch(cfg: JobConfig, dp_size: int) -> int:
+    """Gradient accumulation steps for the configured global batch on `dp_size` data-parallel ranks."""
+    lb, gb = cfg.training.local_batch_size, cfg.training.global_batch_size
+    if gb == -1:
+        return 1
+    if gb % (lb * dp_size) != 0:
+        raise ConfigError(
+            f"training.global_batch_size ({gb}) must be divisible by training.local_batch_size ({lb}) "
+            f"x data-parallel ranks ({dp_size}) = {lb * dp_size}")
+    return gb // (lb * dp_size)
+
+
+def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(cfg: JobConfig) -> str:
+    lines = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    out = ["usage: ./run_train.sh [--job.config_file X.toml] [--section.key value | --section.key=value ...]",
+           "Booleans: --compile.enable / --compile.enable=false. Lists: comma-separated. CLI > TOML > defaults.", ""]
+    for section, cls in _sections().items():
+        out.append(f"[{section}]")
+        for name, (tp, f) in _fields(cls).items():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            bounds = "".join(f" {b}={f.metadata[b]}" for b in ("min", "max") if b in f.metadata)
+            out.append(f"  --{section}.{name} ({_type_name(tp)}; default {default!r}{bounds})")
+            out.append(f"      {f.metadata.get('help', '')}")
+        out.append("")
+    return "\n".join(out)
+
+
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run `main(argv)`; a ConfigError becomes one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        sys.exit(0)
+    try:
+        main(argv)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,47 @@
+"""Process-group setup and the data-parallel layout of this run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelDims:
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    mode: str  # parallelism.data_parallel, or "none" when there is one rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size  # every rank is a data-parallel rank (no tensor/pipeline parallelism)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg) -> ParallelDims:
+    """Join the process group torchrun set up (if any) and pick this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    return ParallelDims(world, rank, local_rank, device, mode)

@@ -1,0 +1,333 @@
+"""The Trainer: config -> build on meta -> parallelize -> materialise -> train loop.
+
+Read it top to bottom: `Trainer.__init__` builds everything, `train_step` is one optimizer step
+(with gradient accumulation), `train` is the loop with logging, validation and checkpoints.
+Host syncs (`.item()`, printing) happen only on log steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli, to_dict, to_toml
+from titanlite.data import build_data
+from titanlite.metrics.console import Console
+from titanlite.metrics.peaks import peak_tflops
+from titanlite.metrics.run_log import RunLog
+from titanlite.models import build_model, get_model_args
+from titanlite.ops.attention import resolve_backend
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel import grad_sync, init_distributed, parallelize
+
+logger = logging.getLogger("titanlite")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    losses: list = field(default_factory=list)  # per-step loss tensors since the last log step (on device)
+
+    def state_dict(self):
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd):
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+def check_writable(folder: str) -> None:
+    """Fail at start-up, not hours in, when outputs cannot be written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder '{folder}' is not writable: {e.strerror}") from None
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.dims = init_distributed(cfg)
+        self.device = self.dims.device
+        self.grad_accum = resolve_batch(cfg, self.dims.dp_size)
+        self.global_batch = cfg.training.local_batch_size * self.dims.dp_size * self.grad_accum
+        self.tokens_per_step = self.global_batch * cfg.training.seq_len
+        if self.dims.is_main:
+            check_writable(cfg.job.dump_folder)
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        # Data first: text datasets decide the vocabulary the model must cover.
+        self.data = build_data(cfg, self.dims.dp_rank, self.dims.dp_size)
+        self.train_iter = self.data.train
+        self.model_args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
+        if self.model_args.vocab_size < self.data.vocab_size:
+            raise ConfigError(f"model.vocab_size ({self.model_args.vocab_size}) is smaller than the dataset's "
+                              f"vocabulary ({self.data.vocab_size})")
+        self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
+
+        # Build on meta (no memory), parallelise from outside, then materialise and initialise.
+        with torch.device("meta"):
+            model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len)
+        model = parallelize(model, cfg, self.dims)
+        model.to_empty(device=self.device)
+        torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank and mode
+        init = getattr(model, "init_weights", None) or model.module.init_weights
+        init(buffer_device=self.device)
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.state = TrainState()
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+                         and self.dims.mode not in ("fsdp", "hsdp") else None)
+
+        self.n_params = self.model_args.num_params()
+        self.flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
+        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu"
+        self.peak = peak_tflops(self.device_name, cfg.metrics.peak_tflops) if self.device.type == "cuda" else None
+        if self.device.type == "cuda" and self.peak is None:
+            logger.warning(f"no bf16 peak known for '{self.device_name}': set --metrics.peak_tflops to see MFU")
+        self.console = Console(self.dims.is_main, cfg.training.steps, cfg.metrics.progress_bar)
+        self.run_log = RunLog(cfg.job.dump_folder, self.startup_info()) if self.dims.is_main else None
+        if self.dims.is_main:
+            with open(os.path.join(cfg.job.dump_folder, f"run_{self.run_log.stamp}_config.toml"), "w") as fh:
+                fh.write(to_toml(cfg))
+
+    # ----------------------------------------------------------------------------------------- info
+    def startup_info(self) -> dict:
+        cfg = self.cfg
+        resolved = to_dict(cfg)
+        flat = {f"{s}.{k}": v for s, table in resolved.items() for k, v in table.items()}
+        config = {
+            **flat,
+            # keys the seed guides' analysis snippets read
+            "world_size": self.dims.world_size,
+            "batch_size": cfg.training.local_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "global_batch_size": self.global_batch,
+            "seq_len": cfg.training.seq_len,
+            "compile": cfg.compile.enable,
+            "use_cuda_graphs": cfg.training.cuda_graphs,
+            "use_dataloader": cfg.training.dataset != "synthetic",
+            "attention_backend": self.attention_backend,
+            "data_parallel": self.dims.mode,
+        }
+        hardware = {"device": self.device.type, "name": self.device_name, "count": self.dims.world_size,
+                    "peak_tflops_per_gpu": self.peak}
+        if self.device.type == "cuda":
+            hardware["memory_gb"] = round(torch.cuda.get_device_properties(self.device).total_memory / 2**30, 1)
+        return {
+            "config": config,
+            "resolved_config": resolved,
+            "hardware": hardware,
+            "software": {"python": platform.python_version(), "torch": torch.__version__,
+                         "cuda": torch.version.cuda, "titanlite": _version()},
+            "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "params": self.n_params,
+                      "params_without_input_embedding": self.model_args.num_params(exclude_embedding=True),
+                      "flops_per_token": self.flops_per_token,
+                      "flops_convention": "6*(N - input embedding) + 12*L*H*Q*T"},
+            "data": self.data.description,
+        }
+
+    # ----------------------------------------------------------------------------------------- step
+    def next_batch(self):
+        inputs, labels = next(self.train_iter)
+        nb = self.device.type == "cuda"
+        return inputs.to(self.device, non_blocking=nb), labels.to(self.device, non_blocking=nb)
+
+    def forward_loss(self, inputs, labels) -> torch.Tensor:
+        if self.autocast is not None:
+            with self.autocast:
+                logits = self.model(inputs)
+        else:
+            logits = self.model(inputs)
+        return cross_entropy_loss(logits, labels)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) on device."""
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            inputs, labels = self.next_batch()
+            with grad_sync(self.model, micro == self.grad_accum - 1):
+                loss = self.forward_loss(inputs, labels) / self.grad_accum
+                loss.backward()
+            total += loss.detach()
+        max_norm = self.cfg.training.max_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
+        if self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step, by request
+            logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        return total, grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        self.model.eval()
+        it, total, n = self.data.make_val(), torch.zeros((), device=self.device), 0
+        for _ in range(self.cfg.validation.steps):
+            try:
+                inputs, labels = next(it)
+            except StopIteration:
+                break
+            total += self.forward_loss(inputs.to(self.device), labels.to(self.device))
+            n += 1
+        self.model.train()
+        stats = torch.stack([total, torch.tensor(float(n), device=self.device)])
+        if self.dims.world_size > 1:
+            dist.all_reduce(stats)
+        return (stats[0] / stats[1].clamp(min=1)).item()
+
+    # ----------------------------------------------------------------------------------------- loop
+    def train(self) -> dict:
+        cfg, st = self.cfg, self.state
+        self.console.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params:,} params, "
+                          f"{self.flops_per_token / 1e9:.2f} GFLOP/token | attention {self.attention_backend} | "
+                          f"{self.dims.world_size} x {self.device_name} ({self.dims.mode}) | global batch "
+                          f"{self.global_batch} = {cfg.training.local_batch_size} x {self.dims.dp_size} x "
+                          f"{self.grad_accum} accum | data: {self.data.description}")
+        self.console.info(f"run log: {self.run_log.path}" if self.run_log else "")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        interval_start, interval_steps, val_loss = time.perf_counter(), 0, None
+        grad_norm = torch.zeros(())
+        while st.step < cfg.training.steps:
+            loss, grad_norm = self.train_step()
+            st.step += 1
+            st.tokens_seen += self.tokens_per_step
+            st.losses.append(loss)
+            interval_steps += 1
+            last = st.step == cfg.training.steps
+            if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - interval_start
+                self.log_step(elapsed, interval_steps, grad_norm)
+                interval_start, interval_steps = time.perf_counter(), 0
+            if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
+                val_loss = self.validate()
+                self.console.info(f"step {st.step}: validation loss {val_loss:.4f}")
+                if self.run_log:
+                    self.run_log.add_validation({"iter": st.step, "val_loss": val_loss})
+                interval_start = time.perf_counter()  # validation time is not training time
+            self.console.advance(st.step)
+        summary = self.summary(val_loss)
+        self.console.close()
+        self.console.info(" | ".join(f"{k} {v}" for k, v in summary.items()))
+        if self.run_log:
+            self.run_log.set_summary(summary)
+        return summary
+
+    def log_step(self, elapsed: float, steps: int, grad_norm: torch.Tensor) -> None:
+        st = self.state
+        losses = torch.stack(st.losses).float()
+        if self.dims.world_size > 1:  # each rank saw its own micro-batches: report the global mean
+            dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+        step_losses = losses.tolist()
+        st.losses.clear()
+        bad = [st.step - steps + 1 + i for i, v in enumerate(step_losses) if not math.isfinite(v)]
+        if bad and self.cfg.training.on_nan == "stop":
+            raise NonFiniteLossError(f"loss became non-finite at step {bad[0]} (training.on_nan=stop); "
+                                     f"lower optimizer.lr or set training.on_nan=skip")
+        time_ms = elapsed / steps * 1000
+        tps = self.tokens_per_step / (time_ms / 1000)
+        tflops = tps * self.flops_per_token / 1e12
+        entry = {
+            "iter": st.step,
+            "loss": step_losses[-1],
+            "step_losses": step_losses,
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "time_ms": time_ms,
+            "tokens_per_sec": tps,
+            "tokens_per_sec_per_gpu": tps / self.dims.world_size,
+            "tflops": tflops,
+            "mfu": 100 * tflops / (self.dims.world_size * self.peak) if self.peak else None,
+            "tokens_seen": st.tokens_seen,
+        }
+        entry.update(memory_stats(self.device))
+        if self.run_log:
+            self.run_log.append(entry)
+        self.console.log_step(entry)
+
+    def summary(self, val_loss) -> dict:
+        it = self.run_log.data["training_iterations"] if self.run_log else []
+        steady = it[1:] or it  # the first entry holds start-up and compilation
+        out = {"steps": self.state.step, "final_loss": round(it[-1]["loss"], 4) if it else None,
+               "val_loss": round(val_loss, 4) if val_loss is not None else None}
+        if steady:
+            out["tokens_per_sec"] = round(sum(e["tokens_per_sec"] for e in steady) / len(steady))
+            if steady[-1]["mfu"] is not None:
+                out["mfu_pct"] = round(sum(e["mfu"] for e in steady) / len(steady), 2)
+            out["peak_memory_gb"] = max(e["memory_peak_gb"] for e in it)
+        return out
+
+    def close(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def memory_stats(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"memory_gb": round(torch.cuda.memory_allocated(device) / 2**30, 3),
+                "memory_peak_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                "memory_reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 3)}
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return {"memory_gb": round(rss, 3), "memory_peak_gb": round(rss, 3), "memory_reserved_gb": round(rss, 3)}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("titanlite")
+    except Exception:
+        return "unknown"
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    cfg = load_config(argv)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    run_cli(main)

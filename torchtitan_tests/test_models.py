@@ -1,0 +1,83 @@
+import torch
+
+from titanlite.models import MODEL_REGISTRY, build_model, get_model_args
+from titanlite.ops.attention import BACKENDS
+
+
+def count(name, flavor):
+    args = get_model_args(name, flavor)
+    with torch.device("meta"):
+        model = build_model(args)
+    # Tied weights appear once in parameters(), as they are stored once.
+    return sum(p.numel() for p in model.parameters()), args
+
+
+def test_llama_1_36b_param_count_and_flops():
+    n, args = count("llama", "1.36B")
+    assert n == 1_294_159_104 == args.num_params()
+    embedding = 32000 * 2304
+    expected = 6 * (1_294_159_104 - embedding) + 12 * 18 * 18 * 128 * 2048
+    assert args.flops_per_token(2048) == expected == 8_341_802_496
+
+
+def test_qwen3_1_8b_param_count():
+    n, args = count("qwen3", "1.8B")
+    assert n == 1_830_395_904 == args.num_params()
+    assert args.num_params(exclude_embedding=True) == 1_830_395_904 - 151936 * 2048
+    assert args.flops_per_token(2048) == 6 * 1_519_230_976 + 12 * 24 * 16 * 128 * 2048
+
+
+def test_every_flavor_count_matches_module():
+    for name, spec in MODEL_REGISTRY.items():
+        for flavor in spec.flavors:
+            if flavor in ("debug", "1B"):
+                n, args = count(name, flavor)
+                assert n == args.num_params(), (name, flavor)
+
+
+def test_tied_embedding_flops_keep_output_matmul():
+    args = get_model_args("qwen3", "debug")
+    assert args.tie_embeddings
+    assert args.num_params(exclude_embedding=True) == args.num_params()
+
+
+def test_meta_build_then_init_is_deterministic():
+    args = get_model_args("qwen3", "debug")
+    outs = []
+    for _ in range(2):
+        with torch.device("meta"):
+            m = build_model(args, "manual", 32)
+        m.to_empty(device="cpu")
+        torch.manual_seed(0)
+        m.init_weights()
+        assert m.output.weight is m.tok_embeddings.weight
+        outs.append(m(torch.arange(32).view(1, 32)))
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+
+
+def test_causality():
+    args = get_model_args("llama", "debug")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = build_model(args, "manual", 16)
+    m.to_empty(device="cpu")
+    m.init_weights()
+    x = torch.randint(0, args.vocab_size, (1, 16))
+    y = x.clone()
+    y[0, 10] = (y[0, 10] + 1) % args.vocab_size
+    a, b = m(x), m(y)
+    assert torch.allclose(a[:, :10], b[:, :10]) and not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_cpu_backends_agree_with_manual():
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 4, 32, requires_grad=True)
+    k = torch.randn(2, 16, 2, 32, requires_grad=True)
+    v = torch.randn(2, 16, 2, 32, requires_grad=True)
+    ref = BACKENDS["manual"]()(q, k, v)
+    gref = torch.autograd.grad(ref.sum(), (q, k, v))
+    out = BACKENDS["sdpa"]()(q, k, v)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.allclose(out, ref, atol=1e-5)
+    for a, b in zip(g, gref):
+        assert torch.allclose(a, b, atol=1e-5)

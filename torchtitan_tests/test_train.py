@@ -1,0 +1,68 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from titanlite.config import load_config
+from titanlite.optim import lr_factor
+from titanlite.train import Trainer
+
+from conftest import ROOT
+
+
+def test_debug_config_learns(tmp_cache):
+    """The README's ./run_train.sh default config: loss falls to <= 60% of the first step's."""
+    r = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_cache), "--metrics.log_freq", "1",
+                        "--metrics.progress_bar=false"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads(next(tmp_cache.glob("run_*.json")).read_text())
+    losses = [e["loss"] for e in log["training_iterations"]]
+    assert len(losses) == 200
+    assert sum(losses[-10:]) / 10 <= 0.6 * losses[0]
+    assert log["validation"] and log["summary"]["val_loss"] is not None
+    assert "validation loss" in r.stdout
+    assert next(tmp_cache.glob("run_*_config.toml")).read_text().startswith("[job]")
+
+
+def test_logged_figures_are_consistent(tmp_cache):
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "4", "--training.seq_len", "32",
+                       "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_cache),
+                       "--metrics.log_freq", "2", "--validation.enable=false"])
+    t = Trainer(cfg)
+    t.train()
+    for e in t.run_log.data["training_iterations"]:
+        assert e["tokens_per_sec"] == pytest.approx(2 * 32 / (e["time_ms"] / 1000), rel=1e-9)
+        assert e["tflops"] == pytest.approx(e["tokens_per_sec"] * t.flops_per_token / 1e12, rel=1e-9)
+
+
+def test_accumulation_equals_larger_batch(tmp_cache):
+    """local 2 x accumulation 2 gives the same update as local 4 x accumulation 1 (same samples)."""
+    base = ["--training.dataset", "python_stdlib", "--training.steps", "3", "--training.seq_len", "32",
+            "--metrics.log_freq", "1", "--validation.enable=false", "--job.dump_folder", str(tmp_cache),
+            "--metrics.progress_bar=false"]
+    a = Trainer(load_config(base + ["--training.local_batch_size", "4"]))
+    a.train()
+    b = Trainer(load_config(base + ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]))
+    b.train()
+    la = [e["loss"] for e in a.run_log.data["training_iterations"]]
+    lb = [e["loss"] for e in b.run_log.data["training_iterations"]]
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_nan_stops_naming_the_step(tmp_cache):
+    r = subprocess.run([sys.executable, "-m", "titanlite.train", "--training.dataset", "synthetic",
+                        "--training.steps", "3", "--training.seq_len", "16", "--training.local_batch_size", "2",
+                        "--optimizer.lr", "1e30", "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0",
+                        "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_cache)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 3 and "non-finite at step" in r.stderr
+
+
+def test_lr_schedules():
+    f = lambda t, **kw: [lr_factor(s, 100, 10, t, 0.1, 0.2) for s in range(100)]
+    for kind in ("cosine", "linear", "wsd"):
+        v = f(kind)
+        assert v[0] < v[9] and max(v) == pytest.approx(1.0, abs=0.1) and v[-1] == pytest.approx(0.1, abs=0.02)
+    wsd = f("wsd")
+    assert wsd[50] == 1.0 and wsd[85] < 1.0
