@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli, to_dict, to_toml
 from titanlite.data import build_data
+from titanlite.debug import FaultInjector
 from titanlite.metrics.console import Console
 from titanlite.metrics.peaks import peak_tflops
 from titanlite.metrics.run_log import RunLog
+from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer
@@ -104,6 +106,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.state = TrainState()
+        self.timer = StepTimer(self.device)
+        self.faults = FaultInjector(cfg.debug, self.dims.rank)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
                          and self.dims.mode not in ("fsdp", "hsdp") else None)
@@ -174,20 +178,27 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) on device."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
-            inputs, labels = self.next_batch()
-            with grad_sync(self.model, micro == self.grad_accum - 1):
+            with self.timer.phase("data"):
+                inputs, labels = self.next_batch()
+                self.faults.data()
+            last = micro == self.grad_accum - 1
+            if last:
+                self.faults.comm()
+            with self.timer.phase("compute"), grad_sync(self.model, last):
+                self.faults.compute()
                 loss = self.forward_loss(inputs, labels) / self.grad_accum
                 loss.backward()
             total += loss.detach()
-        max_norm = self.cfg.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
-        if self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step, by request
-            logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        with self.timer.phase("optimizer"):
+            max_norm = self.cfg.training.max_norm
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
+            if self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step, by request
+                logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.lr_scheduler.step()
         return total, grad_norm
 
     @torch.no_grad()
@@ -273,6 +284,7 @@ class Trainer:
             "tflops": tflops,
             "mfu": 100 * tflops / (self.dims.world_size * self.peak) if self.peak else None,
             "tokens_seen": st.tokens_seen,
+            "breakdown": {f"{k}_ms": v / steps * 1000 for k, v in self.timer.collect().items()},
         }
         entry.update(memory_stats(self.device))
         if self.run_log:
