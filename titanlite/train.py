@@ -7,6 +7,8 @@ Host syncs (`.item()`, printing) happen only on log steps.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -17,30 +19,32 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from titanlite.checkpoint import Checkpointer, Preemption, checkpoint_root
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli, to_dict, to_toml
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
+from titanlite.metrics.breakdown import gather_breakdown, rank_breakdown
 from titanlite.metrics.console import Console
+from titanlite.metrics.nvml import GpuMonitor
 from titanlite.metrics.peaks import peak_tflops
+from titanlite.metrics.profiler import StepProfiler
 from titanlite.metrics.run_log import RunLog
+from titanlite.metrics.tensorboard import TensorBoard
 from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
+from titanlite.ops.loss import cross_entropy
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import grad_sync, init_distributed, parallelize
+from titanlite.parallel import clip_grad_norm, float8_post_step, grad_sync, init_distributed, parallelize
+from titanlite.parallel.data_parallel import fused_clip_supported
+from titanlite.parallel.cuda_graphs import CudaGraphStep
 
 logger = logging.getLogger("titanlite")
 
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 @dataclass
@@ -56,7 +60,7 @@ class TrainState:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
 
 
-def check_writable(folder: str) -> None:
+def check_writable(folder: str, key: str = "job.dump_folder") -> None:
     """Fail at start-up, not hours in, when outputs cannot be written."""
     try:
         os.makedirs(folder, exist_ok=True)
@@ -65,7 +69,7 @@ def check_writable(folder: str) -> None:
             fh.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"job.dump_folder '{folder}' is not writable: {e.strerror}") from None
+        raise ConfigError(f"{key} '{folder}' is not writable: {e.strerror}") from None
 
 
 class Trainer:
@@ -78,6 +82,8 @@ class Trainer:
         self.tokens_per_step = self.global_batch * cfg.training.seq_len
         if self.dims.is_main:
             check_writable(cfg.job.dump_folder)
+            if cfg.checkpoint.enable:
+                check_writable(str(checkpoint_root(cfg)), "checkpoint.folder")
         torch.manual_seed(cfg.training.seed)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -94,28 +100,40 @@ class Trainer:
                               f"vocabulary ({self.data.vocab_size})")
         self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
 
-        # Build on meta (no memory), parallelise from outside, then materialise and initialise.
+        # Build on meta (no memory); parallelize applies float8 -> AC -> compile, materialises and
+        # initialises the full weights identically on every rank, then wraps for data parallelism.
         with torch.device("meta"):
             model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len)
         model = parallelize(model, cfg, self.dims)
-        model.to_empty(device=self.device)
-        torch.manual_seed(cfg.training.seed)  # identical initial weights on every rank and mode
-        init = getattr(model, "init_weights", None) or model.module.init_weights
-        init(buffer_device=self.device)
         self.model = model
-        self.optimizer = build_optimizer(model, cfg, self.device)
+        self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.optimizer_skips_nonfinite = cfg.training.on_nan == "skip" and fused_clip_supported(self.optimizer)
         self.state = TrainState()
-        self.timer = StepTimer(self.device)
+        # Checkpoints: resume (or initial safetensors load) now, before anything reads the state.
+        self.checkpointer = Checkpointer(
+            cfg, self.dims, self.model, self.optimizer,
+            stateful={"lr_scheduler": self.lr_scheduler, "train_state": self.state},
+            per_rank={"dataloader": self.train_iter},
+            info={"model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "max_seq_len": cfg.training.seq_len,
+                            "args": dataclasses.asdict(self.model_args)},
+                  "tokenizer": str(getattr(self.data, "tokenizer_path", "") or "")})
+        self.checkpointer.load()
+        self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
+        self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
                          and self.dims.mode not in ("fsdp", "hsdp") else None)
+        # training.loss=cross_entropy takes logits; compiled with the blocks (chunked compiles itself)
+        self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
+        self.cuda_graph = CudaGraphStep.build(self)  # None unless training.cuda_graphs can run here
 
         self.n_params = self.model_args.num_params()
         self.flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
         self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu"
-        self.peak = peak_tflops(self.device_name, cfg.metrics.peak_tflops) if self.device.type == "cuda" else None
+        # CPU: only an explicit --metrics.peak_tflops gives MFU (the table holds GPUs)
+        self.peak = peak_tflops(self.device_name if self.device.type == "cuda" else "", cfg.metrics.peak_tflops)
         if self.device.type == "cuda" and self.peak is None:
             logger.warning(f"no bf16 peak known for '{self.device_name}': set --metrics.peak_tflops to see MFU")
         self.console = Console(self.dims.is_main, cfg.training.steps, cfg.metrics.progress_bar)
@@ -123,6 +141,10 @@ class Trainer:
         if self.dims.is_main:
             with open(os.path.join(cfg.job.dump_folder, f"run_{self.run_log.stamp}_config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
+        self.tensorboard = (TensorBoard(cfg.job.dump_folder, self.run_log.stamp)
+                            if self.run_log and cfg.metrics.enable_tensorboard else None)
+        self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
+        self.gpu_monitor = GpuMonitor(self.device)
 
     # ----------------------------------------------------------------------------------------- info
     def startup_info(self) -> dict:
@@ -167,38 +189,62 @@ class Trainer:
         return inputs.to(self.device, non_blocking=nb), labels.to(self.device, non_blocking=nb)
 
     def forward_loss(self, inputs, labels) -> torch.Tensor:
-        if self.autocast is not None:
-            with self.autocast:
-                logits = self.model(inputs)
-        else:
+        """Mean token loss; bf16 autocast on GPU unless FSDP already holds bf16 parameters."""
+        with self.autocast if self.autocast is not None else contextlib.nullcontext():
+            if self.cfg.training.loss == "chunked":
+                return self.model(inputs, labels)  # linear + loss in chunks inside the model's forward
             logits = self.model(inputs)
-        return cross_entropy_loss(logits, labels)
+        return self.loss_fn(logits, labels)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) on device."""
-        total = torch.zeros((), device=self.device)
-        for micro in range(self.grad_accum):
+        """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) on device.
+
+        With training.cuda_graphs (after warm-up) the step is one graph replay; if capture fails the
+        micro-batches it fetched run eagerly below (`batches`), so no data is skipped.
+        """
+        graph, batches = self.cuda_graph, None
+        if graph is not None and graph.ready(self.state.step):
             with self.timer.phase("data"):
-                inputs, labels = self.next_batch()
+                batches = [self.next_batch() for _ in range(self.grad_accum)]
                 self.faults.data()
-            last = micro == self.grad_accum - 1
-            if last:
+            with self.timer.phase("comm"):
                 self.faults.comm()
-            with self.timer.phase("compute"), grad_sync(self.model, last):
+            with self.timer.phase("compute"):  # forward, backward and optimizer step in one replay
                 self.faults.compute()
-                loss = self.forward_loss(inputs, labels) / self.grad_accum
-                loss.backward()
-            total += loss.detach()
-        with self.timer.phase("optimizer"):
-            max_norm = self.cfg.training.max_norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True)
-            if self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step, by request
-                logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.lr_scheduler.step()
+                out = graph.step(batches)
+            if out is not None:
+                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (host float)
+                self.lr_scheduler.step()
+                return out
+        with graph.warmup_context() if graph is not None else contextlib.nullcontext():
+            total = torch.zeros((), device=self.device)
+            for micro in range(self.grad_accum):
+                with self.timer.phase("data"):
+                    inputs, labels = batches[micro] if batches else self.next_batch()
+                    self.faults.data()
+                last = micro == self.grad_accum - 1
+                if last:
+                    with self.timer.phase("comm"):
+                        self.faults.comm()
+                with self.timer.phase("compute"), grad_sync(self.model, last):
+                    self.faults.compute()
+                    loss = self.forward_loss(inputs, labels) / self.grad_accum
+                    loss.backward()
+                total += loss.detach()
+            with self.timer.phase("optimizer"):
+                grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.optimizer,
+                                           skip_nonfinite=self.cfg.training.on_nan == "skip")
+                if self.optimizer_skips_nonfinite:
+                    self.optimizer.step()  # the fused kernel skips a non-finite step on device, no sync
+                    float8_post_step(self.model, self.cfg)
+                elif self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step
+                    logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
+                else:
+                    self.optimizer.step()
+                    float8_post_step(self.model, self.cfg)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (host float)
+                self.lr_scheduler.step()
         return total, grad_norm
 
     @torch.no_grad()
@@ -231,26 +277,44 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         interval_start, interval_steps, val_loss = time.perf_counter(), 0, None
         grad_norm = torch.zeros(())
+        self.preemption.install()
         while st.step < cfg.training.steps:
+            interval_start += self.profiler.step(st.step + 1)  # writing a trace is not training time
             loss, grad_norm = self.train_step()
             st.step += 1
             st.tokens_seen += self.tokens_per_step
             st.losses.append(loss)
             interval_steps += 1
-            last = st.step == cfg.training.steps
+            stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
+            last = st.step == cfg.training.steps or stop
             if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - interval_start
                 self.log_step(elapsed, interval_steps, grad_norm)
                 interval_start, interval_steps = time.perf_counter(), 0
-            if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last):
+            if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop:
                 val_loss = self.validate()
                 self.console.info(f"step {st.step}: validation loss {val_loss:.4f}")
                 if self.run_log:
                     self.run_log.add_validation({"iter": st.step, "val_loss": val_loss})
+                if self.tensorboard:
+                    self.tensorboard.log_validation(st.step, val_loss)
                 interval_start = time.perf_counter()  # validation time is not training time
             self.console.advance(st.step)
+            saving = time.perf_counter()
+            self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
+            interval_start += time.perf_counter() - saving  # time blocked by a save is logged by it, not here
+            if stop:
+                self.console.info(f"{self.preemption.received}: stopped after step {st.step}; " + (
+                    f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
+                    if cfg.checkpoint.enable else "nothing saved (checkpoint.enable=false)"))
+                break
+        self.preemption.restore()
+        self.checkpointer.wait()
+        self.profiler.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         summary = self.summary(val_loss)
         self.console.close()
         self.console.info(" | ".join(f"{k} {v}" for k, v in summary.items()))
@@ -276,7 +340,7 @@ class Trainer:
             "iter": st.step,
             "loss": step_losses[-1],
             "step_losses": step_losses,
-            "lr": self.lr_scheduler.get_last_lr()[0],
+            "lr": float(self.step_lr),
             "grad_norm": float(grad_norm),
             "time_ms": time_ms,
             "tokens_per_sec": tps,
@@ -284,11 +348,17 @@ class Trainer:
             "tflops": tflops,
             "mfu": 100 * tflops / (self.dims.world_size * self.peak) if self.peak else None,
             "tokens_seen": st.tokens_seen,
-            "breakdown": {f"{k}_ms": v / steps * 1000 for k, v in self.timer.collect().items()},
         }
         entry.update(memory_stats(self.device))
+        gpu = self.gpu_monitor.sample()  # NVML utilisation / power / SM clock, where present
+        entry.update(gpu)
+        local = rank_breakdown(self.dims.rank, time_ms, self.timer.collect(), steps)
+        local.update(gpu, memory_peak_gb=entry["memory_peak_gb"])
+        entry["breakdown"] = gather_breakdown(local, self.timer.method)  # one all_gather_object; None off rank 0
         if self.run_log:
             self.run_log.append(entry)
+        if self.tensorboard:
+            self.tensorboard.log_step(entry)
         self.console.log_step(entry)
 
     def summary(self, val_loss) -> dict:
@@ -304,6 +374,8 @@ class Trainer:
         return out
 
     def close(self):
+        self.preemption.restore()
+        self.checkpointer.close()  # waits for an async save in flight
         if dist.is_initialized():
             dist.destroy_process_group()
 

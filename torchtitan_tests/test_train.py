@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titanlite.config import load_config
 from titanlite.optim import lr_factor
@@ -66,3 +67,42 @@ def test_lr_schedules():
         assert v[0] < v[9] and max(v) == pytest.approx(1.0, abs=0.1) and v[-1] == pytest.approx(0.1, abs=0.02)
     wsd = f("wsd")
     assert wsd[50] == 1.0 and wsd[85] < 1.0
+
+
+def _losses(tmp, *extra):
+    base = ["--training.dataset", "python_stdlib", "--training.steps", "6", "--training.seq_len", "32",
+            "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--validation.enable=false",
+            "--job.dump_folder", str(tmp), "--metrics.progress_bar=false", "--lr_scheduler.warmup_steps", "0"]
+    t = Trainer(load_config(base + list(extra)))
+    t.train()
+    return [e["loss"] for e in t.run_log.data["training_iterations"]]
+
+
+def test_fused_clip_matches_explicit_clip(tmp_cache):
+    """The clip scale handed to the fused AdamW kernel gives the update explicit clipping gives."""
+    # eps = 1 makes the AdamW update depend on the gradient scale, so clipping visibly matters
+    clip = ["--training.max_norm", "0.05", "--optimizer.lr", "1e-2", "--optimizer.eps", "1.0"]
+    fused = _losses(tmp_cache / "a", *clip, "--optimizer.fused", "true")
+    plain = _losses(tmp_cache / "b", *clip, "--optimizer.fused", "false")
+    unclipped = _losses(tmp_cache / "c", "--training.max_norm", "0", "--optimizer.lr", "1e-2", "--optimizer.eps", "1.0")
+    assert fused == pytest.approx(plain, rel=1e-4)
+    assert fused[-1] != pytest.approx(unclipped[-1], rel=1e-3)  # the clip did change the run
+
+
+def test_chunked_loss_matches_logits_loss(tmp_cache):
+    chunked = _losses(tmp_cache / "a", "--training.loss", "chunked")
+    plain = _losses(tmp_cache / "b", "--training.loss", "cross_entropy")
+    assert chunked == pytest.approx(plain, rel=1e-5)
+
+
+def test_fused_skip_of_nonfinite_step_needs_no_sync(tmp_cache, monkeypatch):
+    """on_nan=skip with the fused optimizer: a poisoned step leaves the weights untouched."""
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "1", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--optimizer.fused", "true", "--training.on_nan", "skip",
+                       "--job.dump_folder", str(tmp_cache), "--validation.enable=false"])
+    t = Trainer(cfg)
+    assert t.optimizer_skips_nonfinite
+    before = [p.detach().clone() for p in t.model.parameters()]
+    monkeypatch.setattr(t, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
+    t.train_step()
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))

@@ -58,8 +58,9 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: str = doc("python_stdlib", "dataset from the registry: synthetic, python_stdlib, or prepared shards (see data)")
-    dataset_path: str = doc("", "folder of prepared shards (python -m titanlite.data.prepare)")
+    dataset: str = doc("python_stdlib", "dataset from the registry: synthetic, python_stdlib, or prepared "
+                                        "(shards from python -m titanlite.data.prepare; see docs/data.md)")
+    dataset_path: str = doc("", "dataset=prepared: the folder written by python -m titanlite.data.prepare")
     local_batch_size: int = doc(8, "sequences per GPU per micro-step", min=1)
     global_batch_size: int = doc(-1, "sequences per optimizer step over all ranks; -1 = local x data-parallel ranks "
                                      "(gradient accumulation = global / (local x dp ranks))", min=-1)
@@ -71,6 +72,9 @@ class Training:
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")
+    loss: Literal["chunked", "cross_entropy"] = doc(
+        "chunked", "chunked: linear + cross-entropy in token chunks, never materialising fp32 logits "
+                   "(less memory and traffic); cross_entropy: logits, then torch's fp32 cross-entropy")
     cuda_graphs: bool = doc(False, "capture the whole training step as a CUDA graph after warm-up (seed: use_cuda_graphs)")
     cuda_graphs_warmup: int = doc(10, "eager steps before capture", min=1)
 
@@ -81,14 +85,16 @@ class Data:
     prefetch_factor: int = doc(2, "batches each worker prepares ahead", min=1)
     pin_memory: bool = doc(True, "pin host batches for async H2D copies (CUDA only)")
     persistent_workers: bool = doc(True, "keep workers alive between epochs")
+    shuffle: bool = doc(True, "shuffle the window order of every epoch (seeded by training.seed); text datasets only")
 
 
 @dataclass
 class Parallelism:
     data_parallel: Literal["none", "ddp", "zero1", "fsdp", "hsdp"] = doc(
         "fsdp", "data-parallel mode; with one rank every mode runs the single-device path")
-    replicate_degree: int = doc(1, "hsdp: replicas (outer mesh dim)", min=1)
-    shard_degree: int = doc(-1, "hsdp: shards per replica (-1 = world / replicate_degree)", min=-1)
+    replicate_degree: int = doc(-1, "hsdp: replicas, the outer mesh dim (-1 = world / shard_degree; both -1 = "
+                                    "one replica per node, sharded over its GPUs)", min=-1)
+    shard_degree: int = doc(-1, "hsdp: shards per replica, the inner mesh dim (-1 = world / replicate_degree)", min=-1)
     ddp_bucket_cap_mb: int = doc(100, "ddp/zero1: gradient bucket size in MB", min=1)
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
         "default", "fsdp: free gathered params after forward (default = all but the root)")
@@ -97,13 +103,16 @@ class Parallelism:
 
 @dataclass
 class Checkpoint:
-    enable: bool = doc(False, "save distributed checkpoints (DCP)")
-    folder: str = doc("checkpoint", "subfolder of dump_folder")
+    enable: bool = doc(False, "save distributed checkpoints (DCP) and resume from the newest complete one")
+    folder: str = doc("checkpoint", "subfolder of dump_folder (an absolute path is used as is)")
     interval: int = doc(500, "steps between saves (a final save always happens)", min=1)
     keep_latest_k: int = doc(3, "complete checkpoints kept (0 = keep all)", min=0)
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = doc("disabled", "save without blocking training")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = doc(
+        "disabled", "disabled: training waits for the write; async: copy to host memory, write in the background; "
+                    "async_with_pinned_mem: the same through reused pinned buffers (CUDA)")
     load_step: int = doc(-1, "resume from this step (-1 = newest complete checkpoint)", min=-1)
-    initial_load_path: str = doc("", "start from Hugging Face safetensors (model only)")
+    initial_load_path: str = doc("", "Hugging Face folder (safetensors + config.json) to start from when there is "
+                                     "no checkpoint to resume (model weights only)")
 
 
 @dataclass
@@ -152,6 +161,35 @@ class Validation:
 class Debug:
     inject_data_delay_ms: float = doc(0.0, "sleep this long in the data path of inject_rank (test hook)", min=0.0)
     inject_rank: int = doc(-1, "rank that receives injected faults (-1 = all ranks)", min=-1)
+    inject_compute_matmuls: int = doc(0, "extra square matmuls per micro-step on inject_rank, inside the compute "
+                                         "phase: a compute stall (one rank: a straggler)", min=0)
+    inject_matmul_size: int = doc(512, "side of the square matrices those extra matmuls multiply", min=1)
+    inject_comm_mb: float = doc(0.0, "all-reduce a dummy buffer of this many MB before each gradient sync: slow "
+                                     "communication (every rank takes part, since a collective needs them all)", min=0.0)
+    inject_shared_device: bool = doc(False, "put every rank on one device: GPU 0 (process group over gloo, as NCCL "
+                                            "refuses shared GPUs) or one CPU core")
+
+
+@dataclass
+class Estimate:
+    """Dry runs (python -m estimation): read by estimation/ only; training ignores this section."""
+    ngpu: int = doc(1, "GPUs the dry run models (world size of its fake process group)", min=1)
+    hardware: str = doc("h100", "GPU from the table in estimation/hardware.py (a100-40gb, a100, a6000, l40s, "
+                                "h100, h100-pcie, h200, b200)")
+    output: str = doc("", "JSON report path ('' = <job.dump_folder>/estimate.json)")
+    search: bool = doc(True, "binary-search the largest local batch that fits (one fake step per probe)")
+    max_local_batch: int = doc(512, "upper bound of that search", min=1)
+    reserved_gib: float = doc(1.0, "memory outside tensors: CUDA context, cuBLAS/NCCL workspaces (GiB)", min=0.0)
+    fragmentation: float = doc(0.05, "allocator headroom: a batch fits when peak x (1 + this) + reserved_gib <= "
+                                      "the GPU's memory", min=0.0)
+    gemm_efficiency: float = doc(0.79, "achieved fraction of the bf16 peak in large matmuls (H100 8192^3: 781/989)",
+                                 min=0.01, max=1.0)
+    memory_efficiency: float = doc(0.7, "achieved fraction of HBM bandwidth in memory-bound ops", min=0.01, max=1.0)
+    link_efficiency: float = doc(0.8, "achieved fraction of link bandwidth in collectives", min=0.01, max=1.0)
+    compile_traffic_factor: float = doc(0.5, "with compile.enable: memory-bound traffic and launches kept after "
+                                             "fusion (assumed; calibrate with benchmarks/estimation_gpu.py)",
+                                        min=0.0, max=1.0)
+    launch_us: float = doc(5.0, "host time per eager kernel launch (microseconds)", min=0.0)
 
 
 @dataclass
@@ -171,3 +209,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    estimate: Estimate = field(default_factory=Estimate)

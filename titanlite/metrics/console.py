@@ -39,10 +39,11 @@ class Console:
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(e["iter"], 1) * (self.total - e["iter"])
         mfu = f" | mfu {e['mfu']:5.1f}%" if e.get("mfu") is not None else ""
+        gpu = f" | gpu {e['gpu_util_pct']:.0f}% {e['power_w']:.0f} W" if e.get("gpu_util_pct") is not None else ""
         self._write(
             f"step {e['iter']:>6}/{self.total} | loss {e['loss']:7.4f} | lr {e['lr']:.2e} | gnorm {e['grad_norm']:6.3f}"
             f" | {e['time_ms']:8.1f} ms/step | {e['tokens_per_sec']:>10,.0f} tok/s{mfu}"
-            f" | mem {e['memory_peak_gb']:.2f} GiB | eta {_fmt(eta)}")
+            f" | mem {e['memory_peak_gb']:.2f} GiB{gpu} | eta {_fmt(eta)}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from titanlite.models.args import ModelArgs
 from titanlite.ops.attention import build_attention
+from titanlite.ops.loss import chunked_linear_cross_entropy
 
 
 def rope_cache(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
@@ -99,6 +100,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, attention_backend: str = "manual", max_seq_len: int = 2048):
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
+        self.loss_chunk_tokens = 4096  # tokens per logits chunk in forward(tokens, labels)
+        self.compile_loss = False  # set by titanlite.parallel.apply_compile
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps FQNs stable when blocks are wrapped or compiled.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, attention_backend) for i in range(args.n_layers)})
@@ -145,5 +148,11 @@ class Transformer(nn.Module):
             h = block(h, rope)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.output(self.hidden_states(tokens))
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, S, V); with `labels`, the mean cross-entropy instead, through the chunked
+        linear + loss that never materialises fp32 logits (it runs inside forward so that wrappers
+        such as FSDP have the output weight gathered)."""
+        h = self.hidden_states(tokens)
+        if labels is None:
+            return self.output(h)
+        return chunked_linear_cross_entropy(h, self.output.weight, labels, self.loss_chunk_tokens, self.compile_loss)

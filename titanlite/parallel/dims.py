@@ -35,13 +35,18 @@ def init_distributed(cfg) -> ParallelDims:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    shared = cfg.debug.inject_shared_device  # a fault on purpose (titanlite.debug): every rank on one device
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", 0 if shared else local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        if shared:
+            from titanlite.debug import share_one_cpu_core
+
+            share_one_cpu_core()
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        backend = "nccl" if device.type == "cuda" and not shared else "gloo"  # NCCL refuses two ranks on one GPU
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     mode = cfg.parallelism.data_parallel if world > 1 else "none"
     return ParallelDims(world, rank, local_rank, device, mode)

@@ -1,30 +1,151 @@
-"""parallelize(model, cfg, dims): apply the configured techniques in the documented order."""
+"""parallelize(model, cfg, dims): apply the configured techniques in one documented order.
+
+    float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
+    -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
+
+The first three rewrite modules and run on the meta-device model. Weights are then materialised
+and initialised in full, identically on every rank (same seed, same device type, same op order as a
+single process), and only then sharded or replicated. Initialising sharded DTensors directly would
+draw different random numbers per layout (DTensor's RNG offsets and CPU/GPU differences), so the
+modes would not start from the same weights; the price is one full fp32 copy of the model per
+device at start-up (5 GB for 1.36B, 32 GB for 8B), freed as FSDP shards it.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
+from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 
 
+# ------------------------------------------------------------------------------------------ float8
+def float8_supported(device: torch.device) -> bool:
+    """Hardware float8 matmuls need compute capability 8.9+ (Ada / Hopper / Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _float8_eligible(module: nn.Module, fqn: str) -> bool:
+    # The output projection stays in high precision (logit quality); float8 matmul kernels need
+    # both dims to be multiples of 16.
+    if fqn.split(".")[-1] == "output" or not isinstance(module, nn.Linear):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, cfg, dims) -> None:
+    """Swap eligible nn.Linear for torchao Float8Linear (dynamic scaling, tensorwise or rowwise)."""
+    f8 = cfg.float8
+    if not f8.emulate and not float8_supported(dims.device):
+        where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
+        raise ConfigError(f"float8.enable needs a GPU with compute capability >= 8.9 (H100-class), not {where}; "
+                          f"set float8.emulate=true to emulate it (tests only, slow)")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    sharded = dims.mode in ("fsdp", "hsdp")
+    if f8.recipe == "tensorwise":
+        # Under FSDP the weights are all-gathered already cast to float8: half the bytes of bf16.
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=f8.emulate)
+    else:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=_float8_eligible)
+
+
+def float8_post_step(model: nn.Module, cfg) -> None:
+    """After optimizer.step under FSDP with float8 all-gather: compute every weight's scale in one
+    fused all-reduce, instead of one small reduction per weight inside the next forward."""
+    if cfg.float8.enable and cfg.float8.recipe == "tensorwise" and is_fsdp(model):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# ------------------------------------------------------------------------- activation checkpointing
+def _save_matmuls_policy():
+    """Op-level policy: keep matmul and attention outputs (expensive), recompute the rest (cheap
+    element-wise ops and norms)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            save.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_ac(model: nn.Module, cfg) -> None:
+    """Wrap blocks for recomputation in backward: full (every block), selective 'op' (every block,
+    save matmul outputs only) or selective N (every N-th block, fully recomputed)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    ac = cfg.activation_checkpoint
+    every, context_fn = 1, None
+    if ac.mode == "selective":
+        if ac.selective_option == "op":
+            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy())
+        elif ac.selective_option.isdigit() and int(ac.selective_option) >= 1:
+            every = int(ac.selective_option)
+        else:
+            raise ConfigError(f"activation_checkpoint.selective_option must be 'op' or a positive integer N; "
+                              f"got '{ac.selective_option}'")
+    for name, block in list(model.layers.named_children()):
+        if int(name) % every == 0:
+            kw = {"context_fn": context_fn} if context_fn else {}
+            # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs a sync.
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **kw)
+            model.layers.register_module(name, wrapped)
+
+
+# ------------------------------------------------------------------------------------------ compile
 def apply_compile(model: nn.Module, cfg) -> None:
-    """torch.compile each TransformerBlock with fullgraph=True (small graphs, fast compile, reused)."""
-    for name, block in model.layers.named_children():
+    """torch.compile each TransformerBlock with fullgraph=True: small graphs, compiled once and
+    reused by every block of the same shape; FSDP/DDP hooks stay outside the compiled regions."""
+    for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True, mode=cfg.compile.mode))
+    model.compile_loss = True  # the chunked loss compiles its per-chunk softmax/gradient kernel
+
+
+# ------------------------------------------------------------------------------------ materialise
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate the full weights on `device` and initialise them from `seed`."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights(buffer_device=device)
+
+
+def check_combination(cfg, dims) -> None:
+    """Combinations that cannot work, refused at start-up with the reason."""
+    if dims.mode == "hsdp":
+        from titanlite.parallel.data_parallel import hsdp_shape
+
+        hsdp_shape(cfg, dims.world_size)
+    if cfg.training.cuda_graphs:
+        from titanlite.parallel.cuda_graphs import check_cuda_graphs
+
+        check_cuda_graphs(cfg, dims)
 
 
 def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
-    """Return the model ready for to_empty + init_weights, with techniques applied from outside."""
-    if dims.world_size > 1 and dims.mode != "none":
-        raise ConfigError(f"parallelism.data_parallel={dims.mode} is not available yet")
+    """Take the meta-device model spec; return the materialised, initialised, wrapped model."""
+    check_combination(cfg, dims)
+    if cfg.float8.enable:
+        apply_float8(model, cfg, dims)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg)
     if cfg.compile.enable:
         apply_compile(model, cfg)
+    materialize(model, dims.device, cfg.training.seed)
+    if dims.world_size > 1 and dims.mode != "none":
+        model = DATA_PARALLEL[dims.mode](model, cfg, dims)
     return model
-
-
-def grad_sync(model: nn.Module, enabled: bool):
-    """Context for one micro-step: gradient sync only on the last micro-step of an accumulation."""
-    return contextlib.nullcontext()

@@ -1,0 +1,239 @@
+"""One rank of an N-GPU training run, on fake tensors: build, parallelize, step, measure.
+
+The model is built the way the trainer builds it (titanlite.models on meta, then titanlite.parallel's
+float8 -> activation checkpointing -> materialise -> data-parallel wrapping) under FakeTensorMode
+with a fake process group of the target world size, so every collective, shard and buffer has the
+shape it has on the GPUs while no memory is touched. Fake tensors live on "cpu" (torch cannot run
+CUDA kernels' fake versions without a GPU), so the GPU's choices are made explicitly here:
+bf16 autocast or FSDP bf16 parameters as on CUDA, fused AdamW as on CUDA, and a stand-in for CUDA's
+fused RMSNorm (CPU decomposes it and would save two extra fp32 copies of the input per norm).
+torch.compile is not run: the memory is that of eager mode (see docs/estimation.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from titanlite.models import build_model, get_model_args
+from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
+from titanlite.parallel.data_parallel import apply_ddp, hsdp_shape
+from titanlite.parallel.parallelize import apply_ac, apply_float8
+
+from estimation.tracker import StepTracker
+
+WARMUP_SEQ = 16  # the warm-up step only has to create optimizer state and DDP buckets
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """What CUDA's fused rms_norm keeps for backward: the input and one fp32 rstd per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x.float() * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = grad.float() * weight.float()
+        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), (grad.float() * xhat).flatten(0, -2).sum(0).to(weight.dtype), None
+
+
+def _rms_norm(x, normalized_shape, weight=None, eps=None):
+    if weight is None:
+        weight = torch.ones(normalized_shape, device=x.device)
+    return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
+
+
+@contextlib.contextmanager
+def cuda_like_kernels():
+    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors."""
+    orig = F.rms_norm
+    F.rms_norm = _rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = orig
+
+
+def _mesh_outside_fake(shape, names):
+    """A DeviceMesh has to be built with real tensors (it reads its rank layout back)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+@contextlib.contextmanager
+def _ddp_without_shape_check():
+    """DDP's start-up shape check reads tensor data in C++, which fake tensors do not have; every
+    fake rank holds the same shapes by construction, so skip it."""
+    import torch.nn.parallel.distributed as ddp
+
+    orig = ddp._verify_param_shape_across_processes
+    ddp._verify_param_shape_across_processes = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ddp._verify_param_shape_across_processes = orig
+
+
+def _allreduce_hook(state, bucket):
+    """DDP's built-in hook waits on a future the fake process group leaves empty; this one does the
+    same in-place bucket all-reduce (so it is seen and timed) and hands the bucket back."""
+    buf = bucket.buffer()
+    dist.all_reduce(buf)
+    buf.div_(dist.get_world_size())
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+class _NoBucketRebuild:
+    """DDP re-orders its buckets once, agreeing on the order by reading a tensor's data (fake tensors
+    have none). The bucket bytes are the same in either order, so keep the first layout."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+class FakeRun:
+    """Rank 0 of `world` ranks; `step(local_batch)` measures one optimizer step at that batch."""
+
+    def __init__(self, cfg, world: int, attention_backend: str = "sdpa"):
+        self.cfg = run_cfg = copy.deepcopy(cfg)
+        run_cfg.compile.enable = False            # eager: see the module docstring
+        run_cfg.float8.emulate = True             # float8 matmuls have CPU (fake) kernels only emulated
+        run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
+        self.world = world
+        self.mode = cfg.parallelism.data_parallel if world > 1 else "none"
+        self.args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
+        self.seq_len = cfg.training.seq_len
+        self.bf16 = cfg.training.mixed_precision_param == "bfloat16"
+        self.dims = ParallelDims(world, 0, 0, torch.device("cpu"), self.mode)
+        # The data-parallel code reads dims.device for GPU-only choices (bf16 FSDP params): show it CUDA.
+        self.gpu_dims = dataclasses.replace(self.dims, device=torch.device("cuda", 0))
+        self._own_pg = False
+        if world > 1:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+            self._own_pg = True
+        mesh = None
+        if self.mode == "fsdp":
+            mesh = _mesh_outside_fake((world,), ("dp_shard",))
+        elif self.mode == "hsdp":
+            mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
+
+        with torch.device("meta"):
+            model = build_model(self.args, attention_backend, self.seq_len)
+        if run_cfg.float8.enable:
+            apply_float8(model, run_cfg, self.gpu_dims)
+        if run_cfg.activation_checkpoint.mode != "none":
+            apply_ac(model, run_cfg)
+
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.tracker = StepTracker()
+        with self._active():
+            self.tracker.count_work = False
+            model.to_empty(device="cpu")
+            if self.args.tie_embeddings:  # values do not matter on fake tensors, the sharing does
+                model.output.weight = model.tok_embeddings.weight
+            if self.mode in ("fsdp", "hsdp"):
+                from titanlite.parallel.data_parallel import _fsdp
+
+                model = _fsdp(model, run_cfg, self.gpu_dims, mesh)
+            elif self.mode in ("ddp", "zero1"):
+                with _ddp_without_shape_check():
+                    model = apply_ddp(model, run_cfg, self.dims)
+                model.register_comm_hook(None, _allreduce_hook)
+                model.reducer = _NoBucketRebuild(model.reducer)
+            from titanlite.optim import build_optimizer
+
+            self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
+            self.model = model
+            self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
+            self._step(1, WARMUP_SEQ, micro_steps=1)  # optimizer state and DDP buckets exist from here on
+
+    @contextlib.contextmanager
+    def _active(self):
+        with self.fake_mode, self.tracker, cuda_like_kernels():
+            yield
+
+    def _phase(self, phase: str, category: str) -> None:
+        self.tracker.phase, self.tracker.category = phase, category
+
+    def _forward_loss(self, tokens):
+        from titanlite.ops.loss import cross_entropy
+
+        # The trainer autocasts to bf16 on CUDA unless FSDP already holds bf16 parameters.
+        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp")
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            if self.cfg.training.loss == "chunked":  # as Trainer.forward_loss
+                return self.model(tokens, tokens)
+            logits = self.model(tokens)
+        return cross_entropy(logits, tokens)
+
+    def _step(self, local_batch: int, seq_len: int, micro_steps: int) -> None:
+        t = self.tracker
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            tag = "last" if last else "accum"
+            with grad_sync(self.model, last):
+                self._phase(f"fwd_{tag}", "activations")
+                tokens = torch.randint(0, self.args.vocab_size, (local_batch, seq_len))
+                loss = self._forward_loss(tokens) / micro_steps
+                self._phase(f"bwd_{tag}", "temporaries")
+                loss.backward()
+                del loss, tokens
+            # What a backward leaves behind is gradient (plain or, without sync, accumulated unsharded).
+            t.relabel_survivors((f"bwd_{tag}",), "temporaries", "grads")
+        self.model_state = t.breakdown("current")  # params, grads, optimizer state, persistent buffers
+        self._phase("opt", "temporaries")
+        clip_grad_norm(self.model, self.cfg.training.max_norm)
+        self.optimizer.step()
+        float8_post_step(self.model, self.cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        t.relabel_survivors(("opt",), "temporaries", "optimizer")
+        self._phase("idle", "temporaries")
+
+    def step(self, local_batch: int, micro_steps: int = 1) -> "StepResult":
+        """Peak memory and work of one optimizer step (micro_steps > 1: accumulation, the last syncs)."""
+        t = self.tracker
+        with self._active():
+            t.work.clear()
+            t.count_work = True
+            t.reset_peak()
+            self._step(local_batch, self.seq_len, micro_steps)
+            return StepResult(t.peak, t.breakdown("peak"), self.model_state, dict(t.work))
+
+    def close(self) -> None:
+        if self._own_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class StepResult:
+    peak_bytes: int
+    breakdown: dict       # category -> bytes at the peak
+    model_state: dict     # category -> bytes live after the last backward (before the optimizer step)
+    work: dict            # phase -> tracker.PhaseWork

@@ -1,0 +1,228 @@
+"""Watch every op of a fake training step: live memory by category, and the work each op does.
+
+`StepTracker` is a TorchDispatchMode entered inside FakeTensorMode. It sees each op's output storages
+(fake: no bytes exist) and keeps, per storage, its size rounded like the CUDA caching allocator and a
+category. A new storage takes the category of the phase it is born in (activations in forward,
+temporaries in backward and in the optimizer step); collectives re-label their buffers as
+communication buffers; the driver re-labels survivors at phase ends (a backward's survivors are
+gradients, an optimizer step's are optimizer state). The peak remembers which storages were live, so
+its breakdown uses their final labels. The same pass records FLOPs, bytes and collectives per phase
+for the throughput model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
+                                          is_traceable_wrapper_subclass_type)
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
+ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_memory_allocated counts them
+
+aten, c10d = torch.ops.aten, torch.ops.c10d
+MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+# c10d op -> (ring traffic factor on the buffer, index of the buffer arg whose bytes count)
+COLLECTIVES = {
+    "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
+    "broadcast_": (1.0, 0), "allgather_into_tensor_coalesced_": (1.0, 0),
+    "reduce_scatter_tensor_coalesced_": (1.0, 1), "allreduce_coalesced_": (2.0, 0),
+}
+# Ops that move no bytes: allocation without a write, and metadata-only views.
+FREE_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+            "lift_fresh", "_local_scalar_dense", "set_", "resize_")
+
+
+def storages(t) -> list:
+    """Untyped storages behind a tensor, looking through wrapper subclasses (DTensor, float8)."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [s for a in attrs for s in storages(getattr(t, a))]
+    return [t.untyped_storage()]
+
+
+def nbytes(t) -> int:
+    return sum(s.nbytes() for s in storages(t))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Block:
+    __slots__ = ("nbytes", "category", "phase")
+
+    def __init__(self, nbytes: int, category: str, phase: str):
+        self.nbytes, self.category, self.phase = nbytes, category, phase
+
+
+@dataclass
+class PhaseWork:
+    """What one phase (fwd0, bwd0, ..., opt) asks of the GPU."""
+    matmul_flops: float = 0.0
+    float8_flops: float = 0.0
+    attention_flops: float = 0.0    # causal FLOPs, forward 2*B*H*S^2*D, backward 2.5x that
+    memory_bytes: float = 0.0       # bytes read + written by every other op
+    ops: int = 0                    # kernels launched
+    collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
+
+
+class StepTracker(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.blocks: dict[int, _Block] = {}
+        self.live = 0
+        self.peak = 0
+        self.peak_blocks: list[tuple[_Block, int]] = []  # (block, its size then)
+        self.category = "params"        # label for storages born now
+        self.phase = "setup"
+        self.work: dict[str, PhaseWork] = defaultdict(PhaseWork)
+        self.count_work = True
+        self._orig_resize = None
+
+    # ------------------------------------------------------------------------------ memory
+    def _add(self, st, category: str) -> _Block:
+        key = id(st)
+        block = self.blocks.get(key)
+        if block is None:
+            block = _Block(_aligned(st.nbytes()), category, self.phase)
+            self.blocks[key] = block
+            self.live += block.nbytes
+            weakref.finalize(st, self._free, key, block)
+            self._update_peak()
+        return block
+
+    def _free(self, key: int, block: _Block) -> None:
+        if self.blocks.get(key) is block:
+            del self.blocks[key]
+            self.live -= block.nbytes
+
+    def _update_peak(self) -> None:
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_blocks = [(b, b.nbytes) for b in self.blocks.values()]  # sizes change (FSDP resizes)
+
+    def label(self, tensors, category: str) -> None:
+        """Give these tensors' storages a category (registering them if they are new)."""
+        for t in tensors:
+            for st in storages(t):
+                self._add(st, category).category = category
+
+    def relabel_survivors(self, born_in: tuple[str, ...], old: str, new: str) -> None:
+        """Storages of category `old` born in phases `born_in` and still alive become `new`."""
+        for b in self.blocks.values():
+            if b.category == old and b.phase in born_in:
+                b.category = new
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_blocks = self.live, [(b, b.nbytes) for b in self.blocks.values()]
+
+    def breakdown(self, which: str = "peak") -> dict[str, int]:
+        blocks = self.peak_blocks if which == "peak" else [(b, b.nbytes) for b in self.blocks.values()]
+        out = dict.fromkeys(CATEGORIES, 0)
+        for b, n in blocks:
+            out[b.category] += n
+        return out
+
+    def _resize(self, st, size):
+        """FSDP gathers parameters into storages it grows from 0 and frees by shrinking to 0."""
+        self._orig_resize(st, size)
+        block = self.blocks.get(id(st))
+        if block is None:
+            block = self._add(st, "comm_buffers")
+        new = _aligned(st.nbytes())
+        if block.nbytes == 0 and new > 0:
+            block.category = "comm_buffers"
+        self.live += new - block.nbytes
+        block.nbytes = new
+        self._update_peak()
+
+    def __enter__(self):
+        self._orig_resize = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = lambda st, size: self._resize(st, size)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    # ------------------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Let tensor subclasses (DTensor, float8) desugar first: their local ops come back here.
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if func.namespace == "c10d" and name in COLLECTIVES:
+            self._collective(name, args)
+        else:
+            flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            for t in flat_out:
+                for st in storages(t):
+                    self._add(st, self.category)
+            if self.count_work:
+                self._work(func, name, args, kwargs, flat_out)
+        return out
+
+    def _collective(self, name: str, args) -> None:
+        factor, idx = COLLECTIVES[name]
+        buf = args[idx]
+        tensors = buf if isinstance(buf, (list, tuple)) else [buf]
+        tensors = [x for t in tensors for x in (t if isinstance(t, (list, tuple)) else [t])]
+        self.label(tensors, "comm_buffers")
+        n = _group_size(args)
+        moved = factor * (n - 1) / n * sum(nbytes(t) for t in tensors) if name != "broadcast_" else \
+            sum(nbytes(t) for t in tensors)
+        self.work[self.phase].collectives.append((name, moved, n))
+
+    def _work(self, func, name: str, args, kwargs, outs) -> None:
+        w = self.work[self.phase]
+        if func in MATMULS:
+            a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
+            w.matmul_flops += 2 * a.numel() * b.shape[-1]
+        elif name == "_scaled_mm":
+            w.float8_flops += 2 * args[0].numel() * args[1].shape[-1]
+        elif "scaled_dot_product" in name and "attention" in name:
+            q = args[1] if "backward" in name else args[0]  # backward ops take grad_out first
+            b, h, s, d = q.shape
+            causal_fwd = 2 * b * h * s * s * d  # 4*B*H*S^2*D halved by the causal mask
+            w.attention_flops += causal_fwd * (2.5 if "backward" in name else 1.0)
+        elif name in FREE_OPS or func.is_view or func.namespace == "prim":
+            return
+        else:
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            writes = outs or _mutated(func, args, kwargs)  # in-place foreach / fused ops return nothing
+            if not writes:
+                return
+            w.memory_bytes += sum(t.numel() * t.element_size() for t in ins + writes)
+        w.ops += 1
+
+
+def _group_size(args) -> int:
+    """Ranks in the collective's process group (passed boxed as a ScriptObject)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except Exception:
+                break
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _mutated(func, args, kwargs) -> list:
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+    return out
+

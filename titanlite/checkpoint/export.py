@@ -1,0 +1,83 @@
+"""Export a DCP checkpoint's model to a Hugging Face folder (safetensors + config.json [+ tokenizer]).
+
+    python -m titanlite.checkpoint.export --checkpoint DIR --output HF_DIR [--dtype float32|bfloat16]
+
+DIR is one `step-N` folder, or a checkpoint folder (its newest complete step is taken). The result
+loads with transformers' LlamaForCausalLM / Qwen3ForCausalLM (AutoModelForCausalLM) and with
+titanlite's `--checkpoint.initial_load_path HF_DIR`. Runs in one process on CPU, reading only the
+model's tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from titanlite.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_step_folder(path: str) -> Path:
+    from titanlite.checkpoint.manager import MARKER, complete_steps, read_marker
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--checkpoint '{path}' is not a folder")
+    if read_marker(folder) is not None:
+        return folder
+    steps = complete_steps(folder)
+    if not steps:
+        raise ConfigError(f"--checkpoint '{path}' holds no complete checkpoint (a step-N folder with {MARKER})")
+    return folder / f"step-{steps[0]}"
+
+
+def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model tensors of a DCP checkpoint, whatever layout saved it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def export(checkpoint: str, output: str, dtype: str = "float32") -> Path:
+    from titanlite.checkpoint.hf import export_hf
+    from titanlite.checkpoint.manager import read_marker
+    from titanlite.models.args import ModelArgs
+
+    folder = resolve_step_folder(checkpoint)
+    marker = read_marker(folder)
+    info = marker.get("model")
+    if not info:
+        raise ConfigError(f"{folder} records no model spec: re-save it with this version of titanlite")
+    args = ModelArgs(**info["args"])
+    return export_hf(load_model_state(folder), info["name"], args, info["max_seq_len"], output,
+                     DTYPES[dtype], marker.get("tokenizer", ""))
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="python -m titanlite.checkpoint.export", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="step-N folder, or a checkpoint folder (newest step)")
+    p.add_argument("--output", required=True, help="Hugging Face model folder to write")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="tensor dtype of the safetensors")
+    a = p.parse_args(argv)
+    try:
+        out = export(a.checkpoint, a.output, a.dtype)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # e.g. an output folder that cannot be written
+        print(f"error: {e.strerror or e}: {e.filename or a.output}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out} (config.json, safetensors{', tokenizer' if (out / 'tokenizer.json').exists() else ''})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,460 @@
+"""Findings from a set of runs: like-for-like check, per-log consistency, scaling efficiency, and
+one detector per fault kind. Every detector returns `Finding`s carrying the numbers behind them.
+
+Attribution works per phase. The smallest run is the baseline; for each larger run, every phase is
+compared with what the baseline predicts for the larger run's per-GPU work:
+  data, compute, idle  scale with per-GPU tokens per step (micro-batches x local batch x seq_len);
+  optimizer            stays the same (a lower bound for sharded optimizers, which do less);
+  comm                 baseline + the extra time a ring all-reduce of the gradients needs at the
+                       larger world size, at the link bandwidth (a lower bound: real links do worse).
+A phase that exceeds its prediction by `growth` x, by `share` of the larger run's step, and by more
+than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges: a difference smaller
+than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
+rank, and the others' waits for it, show up as a `straggler` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from titanlite.diagnose.runs import PHASES, Run, iqr
+
+SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
+
+
+@dataclass
+class Thresholds:
+    growth: float = 1.3  # a phase is 'grown' at this ratio to its prediction ...
+    share: float = 0.10  # ... when the excess is also at least this share of the step
+    data_share: float = 0.15  # data wait this share of the step is a data stall on its own
+    idle_share: float = 0.20  # idle (host) time this share of the step is host overhead on its own
+    straggler: float = 1.25  # slowest rank's busy time / median of the other ranks
+    straggler_consistency: float = 0.75  # ... and it is the slowest in this share of the entries
+    consistency_tol: float = 0.03  # relative error tolerated between a logged figure and its recomputation
+    comm_margin: float = 3.0  # without a breakdown: step growth beyond this x the all-reduce estimate is not comm
+    efficiency_ok: float = 0.80  # below this, a run is not healthy even when no single phase stands out
+
+
+@dataclass
+class Finding:
+    kind: str
+    severity: str  # high | medium | low | info
+    title: str  # one sentence with the key numbers
+    evidence: dict  # named numbers, units in the names
+    next_check: str
+    score: float = 0.0  # share of a step (or relative error) at stake: the ranking key
+    run: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["score"] = round(d["score"], 4)
+        return d
+
+
+NEXT_CHECK = {
+    "compute_stall": (
+        "Per-GPU work is equal, so each GPU should compute as fast at every world size. Check that every rank has "
+        "its own GPU (nvidia-smi shows one training process per GPU; each rank uses cuda:LOCAL_RANK), watch "
+        "`nvidia-smi --query-gpu=index,clocks.sm,clocks_throttle_reasons.active,temperature.gpu,power.draw "
+        "--format=csv -l 1` for throttling, and check CPU oversubscription (ranks x OMP_NUM_THREADS x data workers "
+        "<= cores). Then rerun the larger config on 1 GPU with the same local batch: its compute per micro-step "
+        "should match the baseline."),
+    "data_stall": (
+        "Rerun with --training.dataset synthetic: if the data wait disappears, the input pipeline is the cause. "
+        "Then raise --data.num_workers / --data.prefetch_factor, keep --data.pin_memory on, and check the "
+        "storage and page cache the shards are read from."),
+    "communication": (
+        "Measure the link: nccl-tests all_reduce_perf at the gradient size on these GPUs, and compare its bus "
+        "bandwidth with the figure used here (--link-gbps). Run with NCCL_DEBUG=INFO to see the transport "
+        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb) and the reduce dtype."),
+    "straggler": (
+        "Look at that rank's device alone: `nvidia-smi -i R -q -d PERFORMANCE,CLOCK,TEMPERATURE` (throttle "
+        "reasons), other processes on it, its CPU/NUMA affinity and its data shard; rerun with LOG_RANK=R to read "
+        "its own console."),
+    "host_overhead": (
+        "Profile a few steps (--profiling.enable) and look for gaps between kernels; reduce launches with "
+        "--compile.enable or --training.cuda_graphs, or give each kernel more work with a larger local batch."),
+    "config_mismatch": (
+        "Rerun so that only the world size differs (same model, seq_len, precision, compile, parallel mode, and "
+        "either the same per-GPU batch and accumulation, or the same global batch)."),
+    "measurement_inconsistency": (
+        "Check how the logger computes the figure: tokens per step must be local batch x accumulation x ranks x "
+        "seq_len, over the same wall-clock interval as time_ms (per optimizer step, not per micro-step); MFU must "
+        "divide by GPUs x dense peak. Until fixed, trust step time and the batch settings, not the logged rate."),
+    "healthy": (
+        "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
+        "its MFU with the single-GPU baseline."),
+}
+
+# which finding a grown phase is
+PHASE_KIND = {"data": "data_stall", "compute": "compute_stall", "optimizer": "compute_stall",
+              "comm": "communication", "idle": "host_overhead"}
+
+# nominal per-GPU link bandwidth inside one node, GB/s (most specific name first); a lower bound
+# on all-reduce time, used only to judge whether a growth is communication-sized
+LINK_GBPS = [("GB200", 900.0), ("B200", 900.0), ("H200", 450.0), ("H100 PCIe", 64.0), ("H100", 450.0),
+             ("H800", 200.0), ("A100", 300.0), ("A800", 200.0), ("L40S", 32.0), ("RTX A6000", 56.0)]
+CPU_GBPS = 1.0  # gloo over loopback / shared memory, roughly
+
+
+def fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
+def severity(score: float) -> str:
+    return "high" if score >= 0.25 else "medium" if score >= 0.10 else "low"
+
+
+def rel_err(logged: float, expected: float) -> float:
+    return abs(logged - expected) / abs(expected) if expected else (0.0 if logged == 0 else float("inf"))
+
+
+# ------------------------------------------------------------------------------ like for like
+def cfg_value(run: Run, key: str):
+    c = run.config
+    if key == "model":
+        return f"{c.get('model.name', run.model.get('name'))}/{c.get('model.flavor', run.model.get('flavor'))}"
+    if key == "hardware":
+        return run.hardware.get("name")
+    if key == "data_parallel":  # one rank runs the single-device path whatever the mode is
+        return None if run.world == 1 else c.get("data_parallel")
+    return c.get(key)
+
+
+MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_precision_param", "precision"),
+              ("compile", "compile"), ("use_cuda_graphs", "CUDA graphs"), ("attention_backend", "attention"),
+              ("float8.enable", "float8"), ("activation_checkpoint.mode", "activation checkpointing"),
+              ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("hardware", "hardware")]
+BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "accumulation steps"),
+              ("global_batch_size", "global batch")]
+
+
+def scaling_mode(runs: list[Run]) -> str:
+    base = runs[0]
+    if all(r.world == base.world for r in runs):
+        return "same_world_size"
+    if all(r.tokens_per_gpu_step == base.tokens_per_gpu_step for r in runs):
+        return "weak"
+    if all(r.tokens_per_step == base.tokens_per_step for r in runs):
+        return "strong"
+    return "not_comparable"
+
+
+def like_for_like(runs: list[Run]) -> tuple[list[dict], list[Finding]]:
+    rows, findings = [], []
+    mode = scaling_mode(runs)
+    for key, name in MUST_MATCH + BATCH_KEYS:
+        values = [cfg_value(r, key) for r in runs]
+        known = {repr(v) for v in values if v is not None}
+        if key in dict(BATCH_KEYS):
+            ok = mode != "not_comparable"
+        else:
+            ok = len(known) <= 1
+        rows.append({"setting": name, "key": key, "values": values, "same": len(known) <= 1, "ok": ok})
+    bad = [r for r in rows if not r["ok"]]
+    if bad:
+        what = "; ".join(f"{r['setting']}: " + " vs ".join(str(v) for v in r["values"]) for r in bad)
+        findings.append(Finding(
+            "config_mismatch", "high",
+            f"The runs differ in more than the world size ({what}): their throughput cannot be compared as scaling.",
+            {r["key"]: r["values"] for r in bad}, NEXT_CHECK["config_mismatch"], score=1.0))
+    return rows, findings
+
+
+# ------------------------------------------------------------------------------ self-consistency
+def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
+    """Recompute each logged rate from the primary figures (batch settings, step time, FLOPs/token,
+    peak) and report the worst relative error of each check over the steady entries."""
+    fpt = run.model.get("flops_per_token")
+    peak = run.hardware.get("peak_tflops_per_gpu")
+    checks: dict[str, list] = {}
+
+    def add(name, logged, expected, it):
+        if isinstance(logged, (int, float)) and isinstance(expected, (int, float)):
+            checks.setdefault(name, []).append((rel_err(logged, expected), logged, expected, it))
+
+    prev = None
+    for e in run.entries:
+        tps = e.get("tokens_per_sec")
+        add("tokens/s = tokens per step / step time", tps, run.tokens_per_step / (e["time_ms"] / 1000), e["iter"])
+        if isinstance(tps, (int, float)):
+            add("tokens/s per GPU x GPUs = tokens/s", (e.get("tokens_per_sec_per_gpu") or 0) * run.world
+                if e.get("tokens_per_sec_per_gpu") is not None else None, tps, e["iter"])
+            if fpt:
+                add("TFLOP/s = tokens/s x FLOPs per token", e.get("tflops"), tps * fpt / 1e12, e["iter"])
+        if peak and isinstance(e.get("tflops"), (int, float)):
+            add("MFU = TFLOP/s / (GPUs x peak)", e.get("mfu"), 100 * e["tflops"] / (run.world * peak), e["iter"])
+        if prev is not None and isinstance(e.get("tokens_seen"), int) and isinstance(prev.get("tokens_seen"), int):
+            steps = e["iter"] - prev["iter"]
+            add("tokens seen per step = global batch x seq_len",
+                (e["tokens_seen"] - prev["tokens_seen"]) / steps, run.tokens_per_step, e["iter"])
+        prev = e
+    for r in run.rank_phases:  # phases cannot add up to more than the step they split
+        phases = run.rank_phases[r]
+        n = min((len(v) for v in phases.values() if v), default=0)
+        for i in range(min(n, len(run.entries))):
+            total = sum(phases[p][i] for p in ("data", "compute", "optimizer") if len(phases[p]) > i)
+            if total > run.entries[i]["time_ms"] * (1 + tol):
+                add(f"phases of rank {r} fit in the step", total, run.entries[i]["time_ms"], run.entries[i]["iter"])
+    rows = []
+    for name, vals in checks.items():
+        err, logged, expected, it = max(vals, key=lambda v: v[0])
+        rows.append({"check": name, "worst_iter": it, "logged": logged, "recomputed": expected,
+                     "error_pct": round(100 * err, 2), "ok": err <= tol})
+    bad = [r for r in rows if not r["ok"]]
+    if not bad:
+        return rows, None
+    worst = max(bad, key=lambda r: r["error_pct"])
+    score = min(worst["error_pct"] / 100, 1.0)
+    title = (f"{run.label}: logged figures disagree with their own inputs; worst: '{worst['check']}' is "
+             f"{fmt(worst['logged'])} logged vs {fmt(worst['recomputed'])} recomputed at iter {worst['worst_iter']} "
+             f"({worst['error_pct']:.1f}% off).")
+    evidence = {r["check"]: {"logged": r["logged"], "recomputed": r["recomputed"], "error_pct": r["error_pct"]}
+                for r in bad}
+    return rows, Finding("measurement_inconsistency", "high" if score >= tol * 3 else "medium", title, evidence,
+                         NEXT_CHECK["measurement_inconsistency"], score=score, run=run.label)
+
+
+# ------------------------------------------------------------------------------ scaling
+def link_gbps(run: Run, override: float | None) -> float:
+    if override:
+        return override
+    if run.device != "cuda":
+        return CPU_GBPS
+    name = str(run.hardware.get("name") or "")
+    return next((bw for key, bw in LINK_GBPS if key in name), 450.0)
+
+
+def allreduce_ms(run: Run, gbps: float) -> float:
+    """Ring all-reduce of the gradients: 2 (N-1)/N x bytes over the link, at its nominal bandwidth."""
+    params = run.model.get("params") or 0
+    bytes_per = 2 if run.config.get("parallelism.fsdp_reduce_dtype") == "bfloat16" else 4
+    return 2 * (run.world - 1) / run.world * params * bytes_per / (gbps * 1e9) * 1000
+
+
+def efficiency(runs: list[Run], mode: str) -> dict:
+    base = runs[0]
+    rows = []
+    for r in runs:
+        row = {"run": r.label, "world_size": r.world, "tokens_per_step": r.tokens_per_step,
+               "step_ms": round(r.step_ms, 3), "tokens_per_sec": round(r.tokens_per_sec, 1),
+               "tokens_per_sec_per_gpu": round(r.per_gpu, 1),
+               "efficiency": round(r.per_gpu / base.per_gpu, 4) if mode != "not_comparable" else None}
+        logged = r.tokens_per_sec_logged
+        if logged is not None and base.tokens_per_sec_logged:
+            row["efficiency_from_logged_tokens_per_sec"] = round((logged / r.world) / (base.tokens_per_sec_logged / base.world), 4)
+        rows.append(row)
+    definition = {
+        "weak": "same per-GPU work: efficiency = per-GPU tokens/s / baseline per-GPU tokens/s (1.0 = perfect)",
+        "strong": "same global batch: efficiency = (baseline step time x baseline GPUs) / (step time x GPUs) "
+                  "= per-GPU tokens/s / baseline per-GPU tokens/s",
+        "same_world_size": "same world size: efficiency = tokens/s / baseline tokens/s",
+        "not_comparable": "neither per-GPU work nor global batch is the same: no efficiency",
+    }[mode]
+    return {"mode": mode, "baseline": base.label, "definition": definition,
+            "basis": "tokens per step from the batch settings over the median step time (not the logged rate)",
+            "runs": rows}
+
+
+def predicted(base: Run, run: Run, gbps: float) -> dict[str, float | None]:
+    """What each phase of `run` should cost (ms per step, fastest rank) given the baseline."""
+    work = run.tokens_per_gpu_step / base.tokens_per_gpu_step
+    out = {}
+    for p in PHASES:
+        b = base.phase_over_ranks(p)
+        if p == "comm":
+            extra = max(allreduce_ms(run, gbps) - allreduce_ms(base, gbps), 0.0)
+            out[p] = (b or 0.0) + extra
+        elif p == "optimizer":
+            out[p] = b
+        else:
+            out[p] = None if b is None else b * work
+    return out
+
+
+def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
+    pred = predicted(base, run, gbps)
+    step = run.step_ms
+    rows = []
+    noise = {}
+    for p in PHASES:
+        got, want = run.phase_over_ranks(p), pred[p]
+        if got is None or want is None:
+            continue
+        rows.append((p, got, want, got - want))
+        noise[p] = iqr(run.phase_series(p)) + iqr(base.phase_series(p))
+    grown = [r for r in rows if r[3] >= th.share * step and r[1] >= th.growth * r[2] and r[3] > noise[r[0]]]
+    lost = step - base.step_ms * run.tokens_per_gpu_step / base.tokens_per_gpu_step
+    if not grown and eff is not None and eff < th.efficiency_ok and rows and lost > run.step_jitter_ms + base.step_jitter_ms:
+        grown = [max(rows, key=lambda r: r[3])]  # no single phase stands out, but time is lost: name the largest
+    findings = []
+    for p, got, want, excess in grown:
+        kind = PHASE_KIND[p]
+        micro = "per micro-step " if p in ("data", "compute") else ""
+        title = (f"{run.label} vs {base.label}: {p} takes {got:,.1f} ms per step where the baseline predicts "
+                 f"{want:,.1f} ms ({got / want if want else float('inf'):.2f}x); the excess {excess:,.1f} ms is "
+                 f"{100 * excess / step:.0f}% of the {step:,.1f} ms step.")
+        ev = {"phase": p, f"{p}_ms_per_step": round(got, 3), f"predicted_{p}_ms_per_step": round(want, 3),
+              f"baseline_{p}_ms_per_step": round(base.phase_over_ranks(p) or 0.0, 3),
+              "excess_ms_per_step": round(excess, 3), "jitter_ms": round(noise[p], 3), "step_ms": round(step, 3),
+              "ranks_basis": "fastest rank (min over ranks)"}
+        if micro:
+            ev[f"{p}_ms_per_micro_step"] = round(got / run.accum, 3)
+            ev[f"baseline_{p}_ms_per_micro_step"] = round((base.phase_over_ranks(p) or 0.0) / base.accum, 3)
+        if p == "comm":
+            ev["expected_allreduce_ms"] = round(allreduce_ms(run, gbps), 3)
+            ev["link_gbps_assumed"] = gbps
+            ev["gradient_bytes"] = (run.model.get("params") or 0) * 4
+        if eff is not None:
+            ev["scaling_efficiency"] = eff
+        findings.append(Finding(kind, severity(excess / step), title, ev, NEXT_CHECK[kind], score=excess / step,
+                                run=run.label))
+    return findings
+
+
+def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
+    """Without a per-phase breakdown: is the step's growth communication-sized? If it is many times
+    what an all-reduce of the gradients can cost, the GPUs themselves are computing slower."""
+    work = run.tokens_per_gpu_step / base.tokens_per_gpu_step
+    comm_extra = max(allreduce_ms(run, gbps) - allreduce_ms(base, gbps), 0.0)
+    want = base.step_ms * work + comm_extra
+    excess = run.step_ms - want
+    noise = run.step_jitter_ms + base.step_jitter_ms
+    if excess < th.share * run.step_ms or run.step_ms < th.growth * want or excess <= noise:
+        if eff is None or eff >= th.efficiency_ok:
+            return []
+    ev = {"step_ms": round(run.step_ms, 3), "baseline_step_ms": round(base.step_ms, 3),
+          "predicted_step_ms": round(want, 3), "excess_ms_per_step": round(excess, 3), "jitter_ms": round(noise, 3),
+          "step_ms_per_micro_step": round(run.step_ms / run.accum, 3),
+          "baseline_step_ms_per_micro_step": round(base.step_ms / base.accum, 3),
+          "expected_allreduce_ms": round(allreduce_ms(run, gbps), 3), "link_gbps_assumed": gbps,
+          "basis": "step time only (no per-phase breakdown in the logs)"}
+    if eff is not None:
+        ev["scaling_efficiency"] = eff
+    if run.memory_gb and base.memory_gb:
+        ev["memory_gb"], ev["baseline_memory_gb"] = run.memory_gb, base.memory_gb
+    same_mem = run.memory_gb and base.memory_gb and abs(run.memory_gb / base.memory_gb - 1) < 0.05
+    if excess > th.comm_margin * max(comm_extra, 1e-9):
+        title = (f"{run.label} vs {base.label}: the step takes {run.step_ms:,.1f} ms where the baseline's per-GPU "
+                 f"work predicts {want:,.1f} ms; the {excess:,.1f} ms excess is "
+                 f"{excess / max(comm_extra, 1e-9):,.0f}x what the larger all-reduce of the gradients can add "
+                 f"(+{comm_extra:,.1f} ms at {gbps:g} GB/s), so the GPUs compute slower"
+                 + (" (memory per GPU is the same, so the per-GPU work is too)." if same_mem else "."))
+        kind = "compute_stall"
+    else:
+        title = (f"{run.label} vs {base.label}: the step grows by {excess:,.1f} ms beyond the per-GPU work, about what "
+                 f"gradient communication can cost ({comm_extra:,.1f} ms at {gbps:g} GB/s); log a breakdown to confirm.")
+        kind = "communication"
+    return [Finding(kind, severity(excess / run.step_ms), title, ev, NEXT_CHECK[kind],
+                    score=max(excess, 0.0) / run.step_ms, run=run.label)]
+
+
+# ------------------------------------------------------------------------------ single-run detectors
+def straggler(run: Run, th: Thresholds) -> list[Finding]:
+    """One rank consistently slower at its own work (data + compute + optimizer, without waits).
+    Ranks are compared entry by entry: they share each interval, so load that comes and goes
+    (other jobs on the machine) hits them alike and cancels out of the per-entry ratio."""
+    ranks = sorted(run.rank_phases)
+    if len(ranks) < 2:
+        return []
+    busy = {r: [sum(v) for v in zip(*(run.rank_phases[r][p] for p in ("data", "compute", "optimizer")))] for r in ranks}
+    n = min(len(v) for v in busy.values())
+    if n == 0:
+        return []
+    slowest = [max(ranks, key=lambda r: busy[r][i]) for i in range(n)]
+    cand = max(set(slowest), key=slowest.count)
+    share_slowest = slowest.count(cand) / n
+    others = [statistics.median(busy[r][i] for r in ranks if r != cand) for i in range(n)]
+    ratio = statistics.median(busy[cand][i] / others[i] if others[i] > 0 else float("inf") for i in range(n))
+    gap = statistics.median(busy[cand][i] - others[i] for i in range(n))
+    if share_slowest < th.straggler_consistency or ratio < th.straggler or gap < th.share * run.step_ms:
+        return []
+    mine, theirs = statistics.median(busy[cand][:n]), statistics.median(others)
+    diffs = {p: (run.phase(p, cand) or 0.0) - statistics.median(run.phase(p, r) or 0.0 for r in ranks if r != cand)
+             for p in ("data", "compute", "optimizer")}
+    phase = max(diffs, key=diffs.get)
+    waits = [run.phase("comm", r) for r in ranks if r != cand]
+    ev = {"rank": cand, "busy_ms_per_step": round(mine, 3), "other_ranks_median_busy_ms": round(theirs, 3),
+          "ratio_median_per_entry": round(ratio, 3), "gap_ms_median_per_entry": round(gap, 3),
+          "slowest_in_share_of_entries": round(share_slowest, 3), "phase": phase,
+          f"{phase}_ms_excess_per_step": round(diffs[phase], 3), "step_ms": round(run.step_ms, 3),
+          "busy": "data + compute + optimizer, without waits"}
+    if waits and all(w is not None for w in waits):
+        ev["other_ranks_comm_wait_ms"] = round(statistics.median(waits), 3)
+    title = (f"{run.label}: rank {cand} is the slowest in {share_slowest:.0%} of the logged intervals; its own work "
+             f"takes {ratio:.2f}x as long as the other ranks' (+{gap:,.1f} ms per step, median over intervals), "
+             f"mostly {phase} (+{diffs[phase]:,.1f} ms); the others wait for it.")
+    return [Finding("straggler", severity(gap / run.step_ms), title, ev,
+                    NEXT_CHECK["straggler"].replace("-i R", f"-i {cand}").replace("LOG_RANK=R", f"LOG_RANK={cand}"),
+                    score=gap / run.step_ms, run=run.label)]
+
+
+def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
+    v = run.phase_over_ranks(phase)
+    if v is None or v < limit * run.step_ms:
+        return []
+    kind = PHASE_KIND[phase]
+    what = {"data": "waits for data", "idle": "is idle outside the measured phases (host overhead)"}[phase]
+    title = (f"{run.label}: even the fastest rank {what} {v:,.1f} ms of every {run.step_ms:,.1f} ms step "
+             f"({100 * v / run.step_ms:.0f}%; {v / run.accum:,.1f} ms per micro-step).")
+    ev = {f"{phase}_ms_per_step": round(v, 3), "step_ms": round(run.step_ms, 3),
+          "share_of_step": round(v / run.step_ms, 4), f"{phase}_ms_per_micro_step": round(v / run.accum, 3)}
+    return [Finding(kind, severity(v / run.step_ms), title, ev, NEXT_CHECK[kind], score=v / run.step_ms, run=run.label)]
+
+
+# ------------------------------------------------------------------------------ all together
+@dataclass
+class Analysis:
+    runs: list[Run]
+    findings: list[Finding]
+    like_for_like: list[dict]
+    consistency: dict[str, list[dict]]
+    scaling: dict
+    gbps: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return self.findings[0].kind
+
+
+def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None) -> Analysis:
+    th = th or Thresholds()
+    rows, findings = like_for_like(runs)
+    cons = {}
+    for r in runs:
+        cons[r.label], f = consistency(r, th.consistency_tol)
+        findings += [f] if f else []
+    mode = scaling_mode(runs)
+    scaling = efficiency(runs, mode)
+    effs = {row["run"]: row["efficiency"] for row in scaling["runs"]}
+    base = runs[0]
+    gbps = {r.label: link_gbps(r, link_override) for r in runs}
+    for r in runs:
+        if mode != "not_comparable" and r is not base:
+            if r.has_breakdown and base.has_breakdown:
+                findings += phase_growth(base, r, th, gbps[r.label], effs[r.label])
+            else:
+                findings += step_growth(base, r, th, gbps[r.label], effs[r.label])
+        findings += straggler(r, th)
+        findings += share_of_step(r, "data", th.data_share)
+        findings += share_of_step(r, "idle", th.idle_share)
+    findings = merge(findings)
+    if not findings:
+        worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
+        title = ("No fault found: every log is self-consistent, the runs are like for like"
+                 + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
+        findings = [Finding("healthy", "info", title, {"scaling_efficiency": effs}, NEXT_CHECK["healthy"])]
+    return Analysis(runs, findings, rows, cons, scaling, gbps)
+
+
+def merge(findings: list[Finding]) -> list[Finding]:
+    """One finding per (kind, run), the strongest kept; ranked: config mismatch first (nothing else
+    is like for like), then by what is at stake (share of the step, or relative error)."""
+    best: dict[tuple[str, str], Finding] = {}
+    for f in findings:
+        key = (f.kind, f.run)
+        if key not in best or f.score > best[key].score:
+            best[key] = f
+    return sorted(best.values(), key=lambda f: (f.kind != "config_mismatch", -f.score, SEVERITY_ORDER[f.severity]))

@@ -1,0 +1,158 @@
+"""Write DIR/report.md (verdict first), DIR/report.json and the PNGs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from titanlite.diagnose.analysis import Analysis
+from titanlite.diagnose.plots import phases_png, ranks_png
+from titanlite.diagnose.runs import PHASES, WARMUP_RULE
+
+
+def num(v, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int) or float(v).is_integer() and abs(v) >= 1000:
+        return f"{int(v):,}"
+    return f"{v:,.{digits}f}" if abs(v) >= 1 or v == 0 else f"{v:.3g}"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def evidence_lines(ev: dict) -> list[str]:
+    lines = []
+    for k, v in ev.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{a} {num(b, 3) if isinstance(b, float) else b}" for a, b in v.items())
+        elif isinstance(v, list):
+            v = " vs ".join(str(x) for x in v)
+        elif isinstance(v, float):
+            v = num(v, 3)
+        lines.append(f"  - {k}: {v}")
+    return lines
+
+
+def markdown(a: Analysis) -> str:
+    top = a.findings[0]
+    effs = {row["run"]: row for row in a.scaling["runs"]}
+    md = ["# Scaling diagnosis", "",
+          f"**Verdict: `{top.kind}`** ({top.severity}). {top.title}", "",
+          f"**Next check:** {top.next_check}", ""]
+    if len(a.findings) > 1:
+        md += ["Also found: " + "; ".join(f"`{f.kind}` ({f.severity}{', ' + f.run if f.run else ''})"
+                                          for f in a.findings[1:]) + ".", ""]
+    md += ["## Runs", ""]
+    rows = []
+    for r in a.runs:
+        e = effs[r.label]
+        rows.append([r.label, f"`{Path(r.path).name}`", f"{r.local_batch} x {r.accum} x {r.seq_len}",
+                     num(r.tokens_per_step), num(r.step_ms), num(r.tokens_per_sec, 0), num(r.tokens_per_sec_logged, 0),
+                     num(r.per_gpu, 0), "n/a" if e["efficiency"] is None else f"{e['efficiency']:.0%}",
+                     num(r.mfu_logged, 2), num(r.memory_gb, 2)])
+    md += table(["run", "log", "local batch x accum x seq", "tokens/step", "step time (ms)",
+                 "tokens/s (from step time)", "tokens/s (logged)", "tokens/s per GPU", "scaling efficiency",
+                 "MFU logged (%)", "peak memory (GB)"], rows)
+    md += ["## Findings, ranked", ""]
+    for i, f in enumerate(a.findings, 1):
+        md += [f"### {i}. `{f.kind}` ({f.severity})", "", f.title, "", "- Evidence:"]
+        md += evidence_lines(f.evidence)
+        md += [f"- Next check: {f.next_check}", ""]
+    md += ["## Time per optimizer step by phase (ms; fastest / median / slowest rank)", ""]
+    rows = []
+    for r in a.runs:
+        if not r.has_breakdown:
+            rows.append([r.label, "no breakdown"] + ["n/a"] * len(PHASES) + [num(r.step_ms)])
+            continue
+        cells = []
+        for p in PHASES:
+            vals = sorted(v for k in r.rank_phases if (v := r.phase(p, k)) is not None)
+            cells.append(" / ".join(num(v) for v in (vals[0], vals[len(vals) // 2], vals[-1])) if vals else "n/a")
+        rows.append([r.label, r.breakdown_method or "?"] + cells + [num(r.step_ms)])
+    md += table(["run", "method", "data wait", "compute", "exposed comm", "optimizer", "idle / host", "step"], rows)
+    md += ["Compute and data wait are per optimizer step; divide by the accumulation steps for per micro-step. "
+           "Run-wide findings use the fastest rank, so one slow rank does not pass for a run-wide stall.", ""]
+    s = a.scaling
+    md += ["## Scaling efficiency", "", f"Mode: **{s['mode'].replace('_', ' ')}** (baseline {s['baseline']}). "
+           f"{s['definition']}. Basis: {s['basis']}.", ""]
+    md += table(["run", "GPUs", "tokens/step", "step time (ms)", "tokens/s", "tokens/s per GPU", "efficiency",
+                 "efficiency from logged tokens/s"],
+                [[row["run"], row["world_size"], num(row["tokens_per_step"]), num(row["step_ms"]),
+                  num(row["tokens_per_sec"], 0), num(row["tokens_per_sec_per_gpu"], 0),
+                  "n/a" if row["efficiency"] is None else f"{row['efficiency']:.1%}",
+                  f"{row['efficiency_from_logged_tokens_per_sec']:.1%}"
+                  if "efficiency_from_logged_tokens_per_sec" in row else "n/a"] for row in s["runs"]])
+    md += ["## Like-for-like check", ""]
+    md += table(["setting"] + [r.label for r in a.runs] + ["verdict"],
+                [[row["setting"]] + [("n/a" if v is None else f"`{v}`") for v in row["values"]]
+                 + ["same" if row["same"] else ("expected to differ" if row["ok"] else "**differs**")]
+                 for row in a.like_for_like])
+    md += ["## Self-consistency of each log", "",
+           "Each logged rate recomputed from its inputs over the steady-state entries; the worst entry is shown.", ""]
+    rows = [[label, c["check"], c["worst_iter"], num(c["logged"], 3), num(c["recomputed"], 3),
+             f"{c['error_pct']:.2f}", "ok" if c["ok"] else "**inconsistent**"]
+            for label, checks in a.consistency.items() for c in checks]
+    md += table(["run", "check", "worst iter", "logged", "recomputed", "error (%)", "result"], rows)
+    md += ["## Warm-up rule", "", WARMUP_RULE + ".", ""]
+    md += [f"- {r.label}: {r.excluded} warm-up entr{'y' if r.excluded == 1 else 'ies'} excluded, "
+           f"{len(r.entries)} used" + (f" ({r.warmup_note})" if r.warmup_note else "") for r in a.runs]
+    md += ["", "## Figures", ""] + (a.notes or ["![time per step by phase](phases.png)", "",
+                                               "![per-rank spread](ranks.png)"]) + [""]
+    return "\n".join(md)
+
+
+def to_json(a: Analysis) -> dict:
+    return {
+        "verdict": a.verdict,
+        "summary": a.findings[0].title,
+        "findings": [f.to_json() for f in a.findings],
+        "scaling_efficiency": a.scaling,
+        "like_for_like": a.like_for_like,
+        "self_consistency": a.consistency,
+        "warmup_rule": WARMUP_RULE,
+        "notes": a.notes,
+        "link_gbps_assumed": a.gbps,
+        "runs": [{"run": r.label, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
+                  "accumulation": r.accum, "global_batch": r.global_batch, "seq_len": r.seq_len,
+                  "step_ms": r.step_ms, "tokens_per_sec": r.tokens_per_sec,
+                  "tokens_per_sec_logged": r.tokens_per_sec_logged, "mfu_logged": r.mfu_logged,
+                  "memory_peak_gb": r.memory_gb, "warmup_entries_excluded": r.excluded,
+                  "steady_entries": len(r.entries), "breakdown_method": r.breakdown_method,
+                  "phases_ms_fastest_rank": {p: r.phase_over_ranks(p) for p in PHASES} if r.has_breakdown else None}
+                 for r in a.runs],
+    }
+
+
+def finite(obj):
+    """Strict JSON: a non-finite number (a rate recomputed against zero) becomes null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_report(a: Analysis, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    effs = {row["run"]: row["efficiency"] for row in a.scaling["runs"]}
+    paths = [out / "report.md", out / "report.json", out / "phases.png", out / "ranks.png"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the report still stands; say why the figures are missing
+        a.notes.append("matplotlib is not installed: no figures (pip install matplotlib, then rerun)")
+        paths = paths[:2]
+    paths[0].write_text(markdown(a))
+    paths[1].write_text(json.dumps(finite(to_json(a)), indent=1, allow_nan=False, default=str))
+    if len(paths) == 4:
+        phases_png(a.runs, effs, paths[2])
+        ranks_png(a.runs, paths[3])
+    return paths

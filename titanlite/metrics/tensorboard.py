@@ -1,0 +1,44 @@
+"""TensorBoard scalars (metrics.enable_tensorboard): <dump_folder>/tb/run_<stamp>/, rank 0 only."""
+
+from __future__ import annotations
+
+import os
+
+from titanlite.config import ConfigError
+
+# run-log entry key -> TensorBoard tag
+SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "time_ms": "perf/time_ms",
+           "tokens_per_sec": "perf/tokens_per_sec", "tokens_per_sec_per_gpu": "perf/tokens_per_sec_per_gpu",
+           "tflops": "perf/tflops", "mfu": "perf/mfu_pct", "memory_gb": "memory/allocated_gb",
+           "memory_peak_gb": "memory/peak_gb", "memory_reserved_gb": "memory/reserved_gb"}
+
+
+class TensorBoard:
+    def __init__(self, dump_folder: str, stamp: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("metrics.enable_tensorboard needs the tensorboard package (pip install tensorboard)") from None
+        self.log_dir = os.path.join(dump_folder, "tb", f"run_{stamp}")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def log_step(self, e: dict) -> None:
+        step = e["iter"]
+        for key, tag in SCALARS.items():
+            if e.get(key) is not None:
+                self.writer.add_scalar(tag, e[key], step)
+        # the median over ranks of each breakdown figure, and the spread of the step's busy time
+        for fig, s in (e.get("breakdown") or {}).get("stats", {}).items():
+            if s["median"] is not None:
+                self.writer.add_scalar(f"breakdown/{fig}_median", s["median"], step)
+        for key in ("gpu_util_pct", "power_w", "sm_clock_mhz"):
+            if e.get(key) is not None:
+                self.writer.add_scalar(f"gpu/{key}", e[key], step)
+        self.writer.flush()
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        self.writer.add_scalar("val/loss", val_loss, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

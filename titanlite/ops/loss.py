@@ -1,0 +1,90 @@
+"""Losses. `cross_entropy` takes logits; `chunked_linear_cross_entropy` takes final hidden states and
+the output weight and never materialises the (tokens x vocab) fp32 logits.
+
+Why chunked: at LLaMA 1.36B, batch 4 x 2048, the fp32 logits are 8192 x 32000 x 4 B = 1 GiB, and
+the eager softmax/cross-entropy forward and backward move about 9 GB through memory per step. The
+chunked version computes, chunk by chunk of tokens, logits -> fp32 log-softmax -> loss and the
+gradients with respect to the hidden states and the weight, all inside the forward pass (the
+backward only scales them by the incoming gradient). Peak memory holds one chunk of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy with an fp32 softmax."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
+    """Summed loss of one chunk and d(mean loss)/d(logits) = (softmax - onehot) / N, in the logits' dtype.
+
+    Elementwise only: on CUDA it is compiled, so the fp32 softmax lives in registers and the chunk's
+    logits are read once and its gradient written once.
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    target = x.gather(1, labels[:, None])
+    grad = torch.exp(x - lse)
+    onehot = torch.zeros_like(grad).scatter_(1, labels[:, None], 1.0)
+    return (lse - target).sum(), ((grad - onehot) * inv_n).to(logits.dtype)
+
+
+_compiled_chunk_fn = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk_fn
+    if not compiled:
+        return _chunk_loss_and_grad
+    if _compiled_chunk_fn is None:
+        _compiled_chunk_fn = torch.compile(_chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk_fn
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens: int, compute_dtype, compiled: bool):
+        # hidden: (N, D), weight: (V, D), labels: (N,). Gradients are produced here, chunk by chunk;
+        # backward only scales them, so no logits are kept for it.
+        n = hidden.shape[0]
+        h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+        fn = _chunk_fn(compiled)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_tokens):
+            hc, yc = h[start : start + chunk_tokens], labels[start : start + chunk_tokens]
+            loss_sum, g = fn(hc @ w.t(), yc, 1.0 / n)
+            total += loss_sum
+            grad_h[start : start + chunk_tokens] = g @ w
+            grad_w += g.t() @ hc  # fp32 accumulation across chunks
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 chunk_tokens: int = 4096, compiled: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of (hidden @ weight.T) against labels, computed in token chunks.
+
+    hidden: (B, S, D) final-norm hidden states; weight: (V, D) output projection; labels: (B, S).
+    Matmuls run in the autocast dtype when autocast is on (else in hidden's dtype); softmax in fp32.
+    `compiled` fuses each chunk's softmax / loss / gradient into a couple of kernels (torch.compile).
+    """
+    if torch.is_autocast_enabled(hidden.device.type):
+        compute_dtype = torch.get_autocast_dtype(hidden.device.type)
+    else:
+        compute_dtype = hidden.dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _ChunkedLinearCE.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens, compute_dtype,
+                                      compiled)
+
+

@@ -1,0 +1,154 @@
+"""training.cuda_graphs: capture one whole training iteration as a CUDA graph and replay it.
+
+After `training.cuda_graphs_warmup` eager steps (run on a side stream, as capture requires), the
+next step is captured: every micro-batch's forward and backward, the gradient clip and the
+optimizer step, reading its inputs from static buffers. Later steps copy their batches into those
+buffers and replay the graph; only the lr scheduler (which writes the lr tensor in place) runs on
+the host. The optimizer is built capturable (lr and step counters on device; titanlite.optim).
+
+The captured gradients are the static tensors the graph writes: the first backward of a captured
+step assigns them (they were None at capture), later micro-steps accumulate, so nothing zeroes
+them between replays.
+
+Safety: capture executes nothing, so when it fails (an op that syncs with the host, a collective
+library without graph support, ...) the reason is logged once, the graph is dropped and the same
+batches run eagerly: a failure costs speed, never a wrong result. Ranks agree on the outcome so
+that all of them fall back together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config import ConfigError
+from titanlite.parallel.data_parallel import clip_grad_norm, grad_sync
+
+logger = logging.getLogger("titanlite")
+
+# Modes a captured step cannot serve, with the reason given to the user.
+UNSUPPORTED = {
+    "fsdp": "FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
+            "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
+    "hsdp": "HSDP is FSDP2 underneath: it allocates and frees gathered parameters every step and syncs "
+            "streams from the host, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
+    "zero1": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping and has no "
+             "capturable mode; use ddp (or no cuda_graphs)",
+}
+DDP_MIN_WARMUP = 11  # DDP settles its buckets during the first eager iterations (torch's CUDA-graph notes)
+
+
+def check_cuda_graphs(cfg, dims) -> None:
+    """Refuse, with the reason, the combinations a captured step cannot run correctly."""
+    if dims.world_size > 1 and dims.mode in UNSUPPORTED:
+        raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={dims.mode}: {UNSUPPORTED[dims.mode]}")
+    if cfg.training.on_nan == "skip":
+        raise ConfigError("training.cuda_graphs needs training.on_nan=stop: a captured step cannot decide on the "
+                          "host to skip its optimizer update")
+
+
+class CudaGraphStep:
+    """Warm-up stream, capture, replay and fallback for the whole training iteration."""
+
+    def __init__(self, model, optimizer, loss_fn, grad_accum: int, max_norm: float, device: torch.device,
+                 warmup: int, dp_mode: str):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.grad_accum, self.max_norm, self.device = grad_accum, max_norm, device
+        self.warmup = max(warmup, DDP_MIN_WARMUP) if dp_mode == "ddp" else warmup
+        self.graph = None
+        self.failed = False
+        self.static_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.static_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @staticmethod
+    def available(device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"CUDA graphs need a CUDA device (this run is on {device.type})"
+        return True, ""
+
+    @classmethod
+    def build(cls, trainer) -> "CudaGraphStep | None":
+        """The trainer's graph helper, or None (logged once) when CUDA graphs cannot run here."""
+        cfg = trainer.cfg
+        if not cfg.training.cuda_graphs:
+            return None
+        ok, why = cls.available(trainer.device)
+        if not ok:
+            if trainer.dims.is_main:
+                logger.warning(f"training.cuda_graphs is unavailable: {why}; training eagerly")
+            return None
+        return cls(trainer.model, trainer.optimizer, trainer.forward_loss, trainer.grad_accum,
+                   cfg.training.max_norm, trainer.device, cfg.training.cuda_graphs_warmup, trainer.dims.mode)
+
+    def ready(self, steps_done: int) -> bool:
+        """True when this step should capture or replay (warm-up done, no earlier failure)."""
+        return not self.failed and steps_done >= self.warmup
+
+    def warmup_context(self):
+        """Eager steps before capture run on a side stream: capture happens off the default stream,
+        and the lazily created state (cuBLAS workspaces, DDP buckets) must be made there too."""
+        if self.side_stream is None or self.graph is not None or self.failed:
+            return contextlib.nullcontext()
+        return self._on_side_stream()
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side_stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+
+    def iteration(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager training step without host-side timers: what gets captured."""
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, labels) in enumerate(batches):
+            with grad_sync(self.model, i == len(batches) - 1):
+                loss = self.loss_fn(inputs, labels) / self.grad_accum
+                loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(self.model, self.max_norm)
+        self.optimizer.step()
+        return total, grad_norm
+
+    def _capture(self, batches) -> None:
+        self.static_batches = [(x.clone(), y.clone()) for x, y in batches]
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.static_out = self.iteration(self.static_batches)
+        self.graph = graph
+
+    def _agree(self, failed: bool) -> bool:
+        """True if any rank failed: all ranks then fall back together (collectives stay matched)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def step(self, batches) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run one captured step on `batches`; None when capture failed (then run them eagerly)."""
+        if self.graph is None:
+            error = None
+            try:
+                self._capture(batches)
+            except Exception as e:  # any capture failure: report it, never train on a broken graph
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self._agree(error is not None):
+                self.graph, self.static_out, self.static_batches, self.failed = None, None, [], True
+                self.optimizer.zero_grad(set_to_none=True)
+                logger.warning(f"CUDA graph capture failed ({error or 'on another rank'}); "
+                               f"continuing without CUDA graphs")
+                return None
+            logger.info(f"captured the training step as a CUDA graph ({self.grad_accum} micro-batches); replaying it")
+        else:
+            for (sx, sy), (x, y) in zip(self.static_batches, batches):
+                sx.copy_(x, non_blocking=True)
+                sy.copy_(y, non_blocking=True)
+        self.graph.replay()
+        loss, grad_norm = self.static_out
+        return loss.clone(), grad_norm.clone()  # the next replay overwrites the static outputs

@@ -1,0 +1,68 @@
+"""Compare runs in the seed guides' table: python -m titanlite.tools.compare RUN_OR_DIR... [--warmup N] [--csv FILE]
+
+Columns: Config (label), GPUs, BS (local batch), GA (accumulation), MFU (mean %), Tokens/s (mean,
+all GPUs), Peak GB (max over the run), Loss (last), Run (file name). Means skip the first --warmup
+log entries, as the seeds' snippets skip 50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+from titanlite.tools.runs import Run, RunLogError, load_all, mean
+
+COLUMNS = ("Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak GB", "Loss", "Run")
+
+
+def row(run: Run, warmup: int) -> dict:
+    cfg, steady = run.config, run.steady(warmup)
+    return {"Config": run.label, "GPUs": cfg.get("world_size"), "BS": cfg.get("batch_size"),
+            "GA": cfg.get("gradient_accumulation_steps"), "MFU": mean(e.get("mfu") for e in steady),
+            "Tokens/s": mean(e.get("tokens_per_sec") for e in steady),
+            "Peak GB": max((e.get("memory_peak_gb") or 0.0) for e in run.iterations),
+            "Loss": run.iterations[-1].get("loss"), "Run": run.path.name}
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(col, v):
+        if v is None:
+            return "-"
+        spec = {"MFU": "{:.2f}%", "Tokens/s": "{:,.0f}", "Peak GB": "{:.2f}", "Loss": "{:.4f}"}.get(col, "{}")
+        return spec.format(v)
+
+    cells = [[cell(c, r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(COLUMNS)]
+    fmt = lambda vals: "  ".join(v.ljust(w) if i in (0, len(COLUMNS) - 1) else v.rjust(w)
+                                 for i, (v, w) in enumerate(zip(vals, widths)))
+    lines = [fmt(COLUMNS), "-" * (sum(widths) + 2 * (len(COLUMNS) - 1))]
+    return "\n".join(lines + [fmt(line) for line in cells])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titanlite.tools.compare", description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="run_*.json files or folders holding them")
+    ap.add_argument("--warmup", type=int, default=50, help="log entries skipped before averaging (default 50)")
+    ap.add_argument("--csv", help="also write the table as CSV to this file")
+    args = ap.parse_args(argv)
+    try:
+        rows = [row(r, args.warmup) for r in load_all(args.runs)]
+    except RunLogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    if args.csv:
+        try:
+            with open(args.csv, "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=COLUMNS)
+                w.writeheader()
+                w.writerows(rows)
+        except OSError as e:
+            print(f"error: --csv {args.csv}: {e.strerror}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""titanlite.diagnose on synthetic run logs: the user's 2 -> 8 GPU story, schema variants, CLI errors.
+
+Real CPU runs with injected faults are in test_diagnose_runs.py; here the logs are built from a few
+numbers so each rule is tested on exactly the situation it is for.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from titanlite.diagnose import diagnose
+from titanlite.diagnose.runs import load_run
+
+from conftest import ROOT
+
+FLOPS_PER_TOKEN = 8.34e9  # llama 1.36B at seq 2048
+PARAMS = 1_294_159_104
+
+
+def make_log(path, world, step_ms, *, local=8, accum=4, seq=2048, precision="bfloat16", memory=61.2,
+             tps=None, phases=None, flat_breakdown=None, entries=12, log_freq=10, gpu="NVIDIA B200", peak=2250.0):
+    """A run log as titanlite writes it. `phases`: {phase: ms per step} for every rank, or
+    {rank: {phase: ms}}; `tps` overrides the logged tokens/s (a buggy logger)."""
+    tokens_per_step = local * accum * world * seq
+    config = {"world_size": world, "batch_size": local, "gradient_accumulation_steps": accum,
+              "global_batch_size": local * accum * world, "seq_len": seq, "compile": True, "use_cuda_graphs": False,
+              "use_dataloader": True, "attention_backend": "sdpa_cudnn", "data_parallel": "ddp" if world > 1 else "none",
+              "model.name": "llama", "model.flavor": "1.36B", "training.mixed_precision_param": precision,
+              "training.dataset": "python_stdlib", "float8.enable": False, "activation_checkpoint.mode": "none"}
+    its = []
+    for i in range(entries):
+        it = 1 if i == 0 else i * log_freq
+        t = step_ms * (5 if i == 0 else 1 + 0.01 * (i % 3))  # the first entry holds start-up
+        logged = (tps if tps is not None else tokens_per_step / (t / 1000))
+        tflops = logged * FLOPS_PER_TOKEN / 1e12
+        e = {"iter": it, "loss": 3.0, "lr": 1e-4, "grad_norm": 1.0, "time_ms": t, "tokens_per_sec": logged,
+             "tokens_per_sec_per_gpu": logged / world, "tflops": tflops, "mfu": 100 * tflops / (world * peak),
+             "memory_gb": memory - 10, "memory_peak_gb": memory, "memory_reserved_gb": memory + 2,
+             "tokens_seen": it * tokens_per_step}
+        if phases is not None:
+            per_rank = phases if all(isinstance(k, int) for k in phases) else {r: phases for r in range(world)}
+            ranks = []
+            for r in range(world):
+                ph = {f"{p}_ms": v * t / step_ms for p, v in per_rank[r].items()}
+                known = sum(v for v in ph.values() if v is not None)
+                ranks.append({"rank": r, "step_ms": t, "idle_ms": max(t - known, 0.0), **ph})
+            e["breakdown"] = {"ranks": ranks, "method": "cuda_events", "slowest_rank": 0, "stats": {}}
+        if flat_breakdown is not None:
+            e["breakdown"] = dict(flat_breakdown)
+        its.append(e)
+    log = {"startup_info": {"config": config, "hardware": {"device": "cuda", "name": gpu, "count": world,
+                                                          "peak_tflops_per_gpu": peak},
+                            "model": {"name": "llama", "flavor": "1.36B", "params": PARAMS,
+                                      "flops_per_token": FLOPS_PER_TOKEN}},
+           "training_iterations": its}
+    path.write_text(json.dumps(log))
+    return str(path)
+
+
+def report(tmp_path, *logs):
+    a = diagnose(logs, tmp_path / "out")
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["verdict"] == a.verdict == rep["findings"][0]["kind"]
+    return rep
+
+
+def kinds(rep):
+    return [f["kind"] for f in rep["findings"]]
+
+
+@pytest.mark.parametrize("with_breakdown", [False, True])
+def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
+    """The issue's report: same per-GPU work at 2 and 8 B200s, the same logged aggregate tokens/s (MFU
+    falls 4x), the step grows far more than 4x tokens explain, identical memory, and the logged
+    tokens/s disagrees with tokens per step / step time."""
+    two = 2 * 8 * 4 * 2048 / 1.0  # tokens/s at 2 GPUs with a 1.0 s step
+    ph2 = {"data": 5.0, "compute": 850.0, "comm": 40.0, "optimizer": 60.0} if with_breakdown else None
+    ph8 = {"data": 5.0, "compute": 5700.0, "comm": 80.0, "optimizer": 60.0} if with_breakdown else None
+    a = make_log(tmp_path / "a.json", 2, 1000.0, phases=ph2)
+    b = make_log(tmp_path / "b.json", 8, 6000.0, tps=two, phases=ph8)  # logger reports the 2-GPU rate
+    rep = report(tmp_path, b, a)  # order of arguments does not matter: the smallest world is the baseline
+    assert rep["verdict"] == "compute_stall"
+    assert "measurement_inconsistency" in kinds(rep)
+    stall = rep["findings"][0]
+    assert stall["severity"] == "high" and stall["next_check"]
+    mi = next(f for f in rep["findings"] if f["kind"] == "measurement_inconsistency")
+    check = mi["evidence"]["tokens/s = tokens per step / step time"]
+    assert check["logged"] == pytest.approx(two, rel=0.02)
+    assert check["recomputed"] == pytest.approx(8 * 8 * 4 * 2048 / 6.0, rel=0.02)
+    eff = {r["world_size"]: r for r in rep["scaling_efficiency"]["runs"]}
+    assert rep["scaling_efficiency"]["mode"] == "weak"
+    assert eff[8]["efficiency"] == pytest.approx((4 / 6) / 4, rel=0.02)  # 4x tokens in 6x the time, 4x the GPUs
+    assert eff[8]["efficiency_from_logged_tokens_per_sec"] == pytest.approx(0.25, rel=0.02)  # the "MFU fell 4x"
+    if not with_breakdown:  # reasoned from step time, memory and the all-reduce estimate
+        assert stall["evidence"]["memory_gb"] == stall["evidence"]["baseline_memory_gb"]
+        assert stall["evidence"]["excess_ms_per_step"] > 100 * stall["evidence"]["expected_allreduce_ms"]
+    else:
+        assert stall["evidence"]["compute_ms_per_micro_step"] == pytest.approx(5700 / 4, rel=0.05)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert md.startswith("# Scaling diagnosis\n\n**Verdict: `compute_stall`**")
+    assert "Traceback" not in md and "tokens/s (logged)" in md and "**inconsistent**" in md
+
+
+def test_healthy_pair_and_warmup_excluded(tmp_path):
+    ph = {"data": 2.0, "compute": 800.0, "comm": 30.0, "optimizer": 50.0}
+    a = make_log(tmp_path / "a.json", 2, 900.0, phases=ph)
+    b = make_log(tmp_path / "b.json", 4, 930.0, phases={**ph, "comm": 60.0})
+    rep = report(tmp_path, a, b)
+    assert kinds(rep) == ["healthy"]
+    eff = {r["world_size"]: r["efficiency"] for r in rep["scaling_efficiency"]["runs"]}
+    assert eff[4] == pytest.approx(900 / 930, rel=0.02)  # the 5x first entry did not count
+    # iters 1, 10, ..., 110: the stated rule drops iter <= 11 (10% of 110), i.e. iters 1 and 10
+    assert all(r["warmup_entries_excluded"] == 2 and r["steady_entries"] == 10 for r in rep["runs"])
+    assert "excluded" in rep["warmup_rule"]
+
+
+def test_strong_scaling_efficiency(tmp_path):
+    """Same global batch: 2 GPUs x accum 8 vs 4 GPUs x accum 4; ideal step halves."""
+    a = make_log(tmp_path / "a.json", 2, 2000.0, accum=8)
+    b = make_log(tmp_path / "b.json", 4, 1500.0, accum=4)
+    rep = report(tmp_path, a, b)
+    s = rep["scaling_efficiency"]
+    assert s["mode"] == "strong"
+    assert s["runs"][1]["efficiency"] == pytest.approx(2000 * 2 / (1500 * 4), rel=0.02)
+    # half the work per GPU should take ~1000 ms (+ ~3 ms more all-reduce); 1500 ms is not comm-sized
+    assert rep["verdict"] == "compute_stall"
+    assert rep["findings"][0]["evidence"]["predicted_step_ms"] == pytest.approx(1000, rel=0.02)
+
+
+@pytest.mark.parametrize("key,kw", [("precision", {"precision": "float32"}), ("seq_len", {"seq": 1024})])
+def test_config_mismatch(tmp_path, key, kw):
+    a = make_log(tmp_path / "a.json", 2, 1000.0)
+    b = make_log(tmp_path / "b.json", 8, 1100.0, **kw)
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] == "config_mismatch"
+    assert any(key in k for k in rep["findings"][0]["evidence"])
+    row = next(r for r in rep["like_for_like"] if r["setting"] == key)
+    assert not row["same"] and not row["ok"]
+
+
+def test_straggler_from_breakdown(tmp_path):
+    fast = {"data": 2.0, "compute": 800.0, "comm": 300.0, "optimizer": 50.0}
+    slow = {"data": 2.0, "compute": 1100.0, "comm": 5.0, "optimizer": 50.0}
+    a = make_log(tmp_path / "a.json", 2, 900.0, phases={"data": 2.0, "compute": 800.0, "comm": 40.0, "optimizer": 50.0})
+    b = make_log(tmp_path / "b.json", 4, 1200.0, phases={0: fast, 1: fast, 2: slow, 3: fast})
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] == "straggler"
+    f = rep["findings"][0]
+    assert f["evidence"]["rank"] == 2 and f["evidence"]["phase"] == "compute"
+    assert "-i 2" in f["next_check"]
+    assert "compute_stall" not in kinds(rep)  # the fastest rank computes as fast as the baseline
+
+
+def test_flat_rank0_breakdown_is_read(tmp_path):
+    """The first run-log schema: a flat {data_ms, compute_ms, optimizer_ms} for rank 0."""
+    a = make_log(tmp_path / "a.json", 1, 100.0, accum=1, flat_breakdown={"data_ms": 1, "compute_ms": 80, "optimizer_ms": 10})
+    b = make_log(tmp_path / "b.json", 2, 150.0, accum=1, flat_breakdown={"data_ms": 45, "compute_ms": 80, "optimizer_ms": 10})
+    run = load_run(b)
+    assert sorted(run.rank_phases) == [0] and run.phase("data", 0) == pytest.approx(45, rel=0.02)
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] == "data_stall"
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "titanlite.diagnose", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_report_and_exit_codes(tmp_path):
+    a = make_log(tmp_path / "a.json", 2, 900.0)
+    b = make_log(tmp_path / "b.json", 4, 910.0)
+    r = run_cli(a, b, "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("verdict: healthy")
+    for name in ("report.md", "report.json", "phases.png", "ranks.png"):
+        assert (tmp_path / "rep" / name).stat().st_size > 0
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    (tmp_path / "empty.json").write_text(json.dumps({"startup_info": {"config": {"world_size": 2, "batch_size": 8,
+                                                                                  "seq_len": 2048}},
+                                                     "training_iterations": []}))
+    cases = {str(tmp_path / "missing.json"): "no such file", str(tmp_path / "bad.json"): "not valid JSON",
+             str(tmp_path / "other.json"): "not a titanlite run log", str(tmp_path / "empty.json"): "no training_iterations"}
+    for path, msg in cases.items():
+        r = run_cli(a, path, "--out", str(tmp_path / "x"))
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "Traceback" not in r.stderr
+    r = run_cli("--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,144 @@
+"""estimation/: fake-tensor dry runs (memory by category, batch search, throughput model, CLI)."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+
+from titanlite.config import ConfigError, load_config
+
+# debug shapes with a large vocabulary, so per-tensor 512-byte rounding stays far below 1%
+BASE = ["--model.flavor", "debug", "--model.vocab_size", "32768", "--training.seq_len", "32",
+        "--training.local_batch_size", "2"]
+
+
+def _cfg(*extra):
+    return load_config(BASE + list(extra))
+
+
+@pytest.mark.parametrize("mode,world", [("none", 1), ("ddp", 2), ("ddp", 8), ("fsdp", 2), ("fsdp", 8)])
+def test_model_state_matches_analytic(mode, world):
+    """Parameters, gradients and AdamW state (fp32: 4, 4 and 8 bytes per parameter) within 1%."""
+    from estimation.fake_run import FakeRun
+
+    cfg = _cfg("--parallelism.data_parallel", "fsdp" if mode == "none" else mode)
+    run = FakeRun(cfg, world)
+    try:
+        state = run.step(2).model_state
+    finally:
+        run.close()
+    n = run.args.num_params()
+    shards = world if mode == "fsdp" else 1
+    rope = 2 * 32 * run.args.hdim * 4  # the rope cos/sin buffer, replicated
+    expected = {"params": 4 * n / shards + rope, "grads": 4 * n / shards, "optimizer": 8 * n / shards}
+    for k, v in expected.items():
+        assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
+    if mode == "ddp":  # DDP's gradient buckets hold one more copy of the gradients
+        assert abs(state["comm_buffers"] - 4 * n) / (4 * n) < 0.01
+
+
+def test_peak_breakdown_and_activation_checkpointing():
+    """The peak is the sum of its categories; full AC keeps fewer activations; FSDP gathers show up."""
+    from estimation.fake_run import FakeRun
+
+    peaks = {}
+    for ac in ("none", "full"):
+        # default debug vocabulary and seq 128: block activations, not the logits, dominate
+        cfg = load_config(["--model.flavor", "debug", "--training.seq_len", "128", "--parallelism.data_parallel",
+                           "fsdp", "--activation_checkpoint.mode", ac])
+        run = FakeRun(cfg, 2)
+        try:
+            r = run.step(8)
+        finally:
+            run.close()
+        assert sum(r.breakdown.values()) == r.peak_bytes
+        peaks[ac] = r
+    assert peaks["full"].breakdown["activations"] < 0.4 * peaks["none"].breakdown["activations"]
+    assert peaks["none"].breakdown["comm_buffers"] > 0  # the root's gathered embedding and output
+
+
+def test_largest_batch_search():
+    from estimation.estimate import _Fits, largest_batch
+
+    seen = []
+
+    def linear(b):
+        seen.append(b)
+        return 10 * 2**30 + b * 3 * 2**30
+
+    fits = _Fits(usable_bytes=100 * 2**30, fragmentation=0.0)
+    assert largest_batch(linear, fits, start=4, limit=512) == 30  # 10 + 3 * 30 = 100 GiB
+    assert 30 in seen and 31 in seen and len(seen) <= 5
+    # not linear: a jump at 17 (say, a new buffer); the search still brackets the boundary exactly
+    jump = lambda b: (b + (50 if b >= 17 else 0)) * 2**30
+    assert largest_batch(jump, _Fits(60 * 2**30, 0.0), start=4, limit=512) == 16
+    assert largest_batch(jump, _Fits(0.5 * 2**30, 0.0), start=4, limit=512) == 0
+    assert largest_batch(linear, fits, start=4, limit=20) == 20
+
+
+def test_throughput_model_consistency():
+    from estimation.throughput import Assumptions, predict
+    from estimation.tracker import PhaseWork
+
+    a = Assumptions(peak_tflops=1000, gemm_efficiency=0.5, attention_backend="sdpa_cudnn", attention_efficiency=0.25,
+                    hbm_tbps=2.0, memory_efficiency=0.5, link_gbps=100, link_efficiency=1.0, compile=False,
+                    compile_traffic_factor=0.5, launch_us=0.0)
+    coll = [("_allgather_base_", 1e9, 8)] * 4  # 10 ms each at 100 GB/s
+    work = {"fwd_last": PhaseWork(matmul_flops=5e12, collectives=coll),        # 10 ms of matmul
+            "bwd_last": PhaseWork(matmul_flops=10e12, attention_flops=2.5e12, collectives=coll),  # 20 + 10
+            "opt": PhaseWork(memory_bytes=10e9)}                                 # 10 ms memory-bound
+    p = predict(work, a, accum=1, tokens_per_step=100_000, flops_per_token=1e8, world=8)
+    assert p["no_overlap"]["step_ms"] == pytest.approx(10 + 30 + 10 + 80)
+    # overlap: 40 ms of compute hides 60 of the 80 ms of collectives; the first and last (20 ms) are exposed
+    assert p["overlap"]["step_ms"] == pytest.approx(max(40, 60) + 20 + 10)
+    assert p["dominant"] == "comm_exposed"
+    o = p["overlap"]
+    assert o["tokens_per_sec"] == pytest.approx(100_000 / (o["step_ms"] / 1000))
+    assert o["mfu_pct"] == pytest.approx(100 * o["tokens_per_sec"] * 1e8 / (8 * 1000e12))
+
+
+def test_cannot_fit_is_a_config_error():
+    from estimation.estimate import estimate
+
+    cfg = _cfg("--estimate.hardware", "a6000", "--estimate.reserved_gib", "47.5")
+    with pytest.raises(ConfigError, match="does not fit even at local batch 1"):
+        estimate(cfg, progress=lambda m: None)
+
+
+def _cli(*args, tmp):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "estimation", *args], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_unknown_hardware(tmp_path):
+    p = _cli("--estimate.hardware", "h1000", tmp=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "error: estimate.hardware 'h1000' is unknown; choose from a100, a100-40gb, a100-80gb, a6000, b200, h100, "
+        "h100-pcie, h200, l40s"]
+
+
+def test_cli_table_and_json(tmp_path):
+    out = tmp_path / "est.json"
+    p = _cli(*BASE, "--estimate.ngpu", "2", "--estimate.hardware", "h100", "--parallelism.data_parallel", "fsdp",
+             "--training.global_batch_size", "24", "--estimate.max_local_batch", "16", "--estimate.output", str(out),
+             tmp=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "largest local batch that fits: 16" in p.stdout and "dominant:" in p.stdout
+    r = json.loads(out.read_text())
+    m = r["memory"]
+    assert sum(m["at_peak_gib"].values()) == pytest.approx(m["peak_gib"], abs=0.01)
+    assert r["config"]["gradient_accumulation_steps"] == 6  # 24 / (2 x 2 ranks)
+    s = r["batch_search"]
+    assert s["local_batch_for_global"] == 12 and s["gradient_accumulation_steps"] == 1  # 12 x 2 = 24
+    assert [p["fits"] for p in s["probes"]] == [True] * len(s["probes"])
+    t = r["throughput"]
+    tokens = 2 * 2 * 6 * 32
+    assert t["overlap"]["tokens_per_sec"] == pytest.approx(tokens / (t["overlap"]["step_ms"] / 1000))
+    assert t["overlap"]["step_ms"] <= t["no_overlap"]["step_ms"]

@@ -1,0 +1,178 @@
+"""Run log, step timer, breakdown summary, console, TensorBoard and profiler on CPU (one process)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from titanlite.config import load_config
+from titanlite.metrics.breakdown import rank_breakdown, summarize
+from titanlite.metrics.console import Console
+from titanlite.metrics.run_log import RunLog
+from titanlite.metrics.timing import StepTimer
+from titanlite.train import Trainer
+
+from conftest import ROOT
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread is as fast, and oversubscribed threads crawl on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--validation.enable=false", "--metrics.progress_bar=false", "--data.num_workers", "0"]
+
+
+def test_logged_figures_agree_on_a_real_run(tmp_cache):
+    """tokens/s = tokens per step / step time; tflops = tokens/s x flops/token; mfu = tflops / (GPUs x peak)."""
+    cfg = load_config(TINY + ["--training.steps", "5", "--training.global_batch_size", "4", "--metrics.log_freq", "2",
+                              "--metrics.peak_tflops", "0.05", "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    t.train()
+    log = json.loads(t.run_log.path.read_text())  # what is on disk, not the in-memory copy
+    c = log["startup_info"]["config"]
+    assert (c["world_size"], c["batch_size"], c["gradient_accumulation_steps"]) == (1, 2, 2)
+    for key in ("compile", "use_cuda_graphs", "use_dataloader"):
+        assert key in c
+    assert log["startup_info"]["hardware"]["peak_tflops_per_gpu"] == 0.05
+    its = log["training_iterations"]
+    assert [e["iter"] for e in its] == [1, 2, 4, 5]
+    tokens_per_step = 4 * 32
+    for e in its:
+        assert e["tokens_per_sec"] == pytest.approx(tokens_per_step / (e["time_ms"] / 1000), rel=1e-9)
+        assert e["tokens_per_sec_per_gpu"] == pytest.approx(e["tokens_per_sec"], rel=1e-12)
+        assert e["tflops"] == pytest.approx(e["tokens_per_sec"] * t.flops_per_token / 1e12, rel=1e-9)
+        assert e["mfu"] == pytest.approx(100 * e["tflops"] / (1 * 0.05), rel=1e-9)
+        assert {"loss", "lr", "grad_norm", "memory_gb", "memory_peak_gb", "memory_reserved_gb"} <= e.keys()
+        b = e["breakdown"]
+        assert b["method"] == "wall_clock" and b["slowest_rank"] == 0 and len(b["ranks"]) == 1
+        r = b["ranks"][0]
+        assert r["step_ms"] == e["time_ms"]
+        parts = r["data_ms"] + r["compute_ms"] + r["comm_ms"] + r["optimizer_ms"] + r["idle_ms"]
+        assert parts == pytest.approx(r["step_ms"], rel=1e-9)
+        assert r["compute_ms"] > 0 and r["optimizer_ms"] > 0 and r["idle_ms"] >= 0
+        assert b["stats"]["compute_ms"]["median"] == r["compute_ms"]
+
+
+def test_killed_run_leaves_a_parseable_log(tmp_cache):
+    """SIGKILL while the log is rewritten every step: the file on disk is always complete JSON."""
+    proc = subprocess.Popen([sys.executable, "-m", "titanlite.train", *TINY, "--training.steps", "100000",
+                             "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_cache)],
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            logs = list(tmp_cache.glob("run_*.json"))
+            if logs and logs[0].stat().st_size > 0 and len(json.loads(logs[0].read_text())["training_iterations"]) >= 5:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = json.loads(next(tmp_cache.glob("run_*.json")).read_text())
+    its = log["training_iterations"]
+    assert len(its) >= 5 and [e["iter"] for e in its] == list(range(1, len(its) + 1))
+    assert log["summary"] == {}  # it never finished
+
+
+def test_run_log_one_line_and_unique_names(tmp_path):
+    a, b = RunLog(tmp_path, {"config": {}}), RunLog(tmp_path, {"config": {}})
+    assert a.path != b.path  # same second, different files
+    a.append({"iter": 1, "mfu": 1.5})
+    lines = a.path.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[-1])["training_iterations"][0]["mfu"] == 1.5  # `tail -1` parses
+
+
+class _Wrapper(nn.Module):
+    """A DDP-shaped wrapper whose pre-forward 'collective' is a sleep."""
+
+    def __init__(self, inner, wait_s):
+        super().__init__()
+        self.module, self.wait_s = inner, wait_s
+
+    def forward(self, x):
+        time.sleep(self.wait_s)
+        return self.module(x)
+
+
+def test_timer_splits_the_wrapper_wait_from_compute():
+    model = _Wrapper(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)), 0.03)
+    timer = StepTimer(torch.device("cpu"), model)
+    x = torch.randn(16, 64)
+    for _ in range(2):
+        with timer.phase("data"):
+            time.sleep(0.01)
+        with timer.phase("compute"):
+            model(x).sum().backward()
+        with timer.phase("optimizer"):
+            pass
+    out = timer.collect()
+    # sleeps only give lower bounds; the point is where each one lands
+    assert out["comm"] >= 59  # two 30 ms waits before the wrapped forward
+    assert out["data"] >= 19
+    assert out["compute"] < 30  # neither wait is counted as compute
+    assert timer.collect() == {"data": 0.0, "compute": 0.0, "optimizer": 0.0, "comm": 0.0}  # reset
+
+
+def test_timer_reports_unknown_comm_when_no_gradient_hook_fires():
+    timer = StepTimer(torch.device("cpu"))  # no model watched: like FSDP2, whose registered params get no hook
+    with timer.phase("compute"):
+        time.sleep(0.01)
+    out = timer.collect()
+    assert out["comm"] is None and out["compute"] >= 9
+
+
+def test_summary_stats_and_slowest_rank():
+    ranks = [rank_breakdown(0, 100.0, {"data": 10, "compute": 120, "comm": 100, "optimizer": 20}, 2),
+             rank_breakdown(1, 102.0, {"data": 110, "compute": 120, "comm": 0, "optimizer": 20}, 2),
+             rank_breakdown(2, 101.0, {"data": 10, "compute": 130, "comm": 90, "optimizer": 20}, 2)]
+    s = summarize(ranks, "wall_clock")
+    assert s["slowest_rank"] == 1  # largest busy time, though its wall step equals the others'
+    assert s["stats"]["data_ms"] == {"min": 5.0, "median": 5.0, "max": 55.0}
+    assert s["stats"]["comm_ms"] == {"min": 0.0, "median": 45.0, "max": 50.0}
+    assert ranks[0]["idle_ms"] == pytest.approx(100 - 5 - 60 - 50 - 10)
+    unknown = summarize([rank_breakdown(0, 10.0, {"data": 1, "compute": 5, "comm": None, "optimizer": 1}, 1)], "x")
+    assert unknown["stats"]["comm_ms"] == {"min": None, "median": None, "max": None}
+    assert unknown["ranks"][0]["idle_ms"] == pytest.approx(3)
+
+
+def test_console_writes_no_colour_codes_to_a_pipe(capsys):
+    c = Console(True, 10, progress_bar=True)  # stderr is captured: not a terminal, so no bar
+    assert c.bar is None
+    c.log_step({"iter": 2, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "time_ms": 10.0, "tokens_per_sec": 100.0,
+                "mfu": 12.5, "memory_peak_gb": 1.0})
+    out = capsys.readouterr()
+    assert "step      2/10" in out.out and "mfu  12.5%" in out.out and "eta" in out.out
+    assert "\x1b" not in out.out + out.err
+
+
+def test_tensorboard_and_profiler_files(tmp_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(TINY + ["--training.steps", "4", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+                              "--metrics.peak_tflops", "0.05", "--profiling.enable", "--profiling.start_step", "2",
+                              "--profiling.num_steps", "2", "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    t.train()
+    acc = EventAccumulator(t.tensorboard.log_dir)
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "perf/mfu_pct", "perf/tokens_per_sec", "breakdown/compute_ms_median"} <= set(tags)
+    logged = [e["loss"] for e in t.run_log.data["training_iterations"]]
+    assert [s.value for s in acc.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
+    trace = tmp_cache / "profile_traces" / "step2-3" / "rank0.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::mm" in ev.get("name", "") or "aten::addmm" in ev.get("name", "") for ev in events)

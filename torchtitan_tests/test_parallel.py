@@ -1,0 +1,247 @@
+"""Data-parallel modes, accumulation, activation checkpointing, float8 and CUDA-graph fallback on CPU.
+
+Parity: the python_stdlib dataset gives rank r of d the windows r, r+d, ... of one shuffled order,
+so 2 ranks x local batch b see exactly the samples a single process sees in its batch of 2b. Every
+mode must then give the single process's per-step losses (within 1e-5 relative).
+"""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from titanlite.config import ConfigError, load_config
+from titanlite.train import Trainer
+
+from conftest import free_port
+
+STEPS = 8
+
+
+def base_args(folder, local_batch: int, *extra: str) -> list[str]:
+    # lr high enough and warm-up short enough that the losses move visibly in 8 steps
+    return ["--training.dataset", "python_stdlib", "--training.steps", str(STEPS), "--training.seq_len", "32",
+            "--training.local_batch_size", str(local_batch), "--optimizer.lr", "3e-3",
+            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--validation.enable=false",
+            "--metrics.progress_bar=false", "--data.num_workers", "0", "--job.dump_folder", str(folder), *extra]
+
+
+def step_losses(trainer) -> list[float]:
+    return [v for e in trainer.run_log.data["training_iterations"] for v in e["step_losses"]]
+
+
+def run_single(folder, local_batch: int, *extra: str) -> list[float]:
+    t = Trainer(load_config(base_args(folder, local_batch, *extra)))
+    t.train()
+    return step_losses(t)
+
+
+# Each distributed run: name -> (local batch per rank, extra args). Global batch 8 everywhere.
+DIST_RUNS = {
+    "ddp": (4, ["--parallelism.data_parallel", "ddp"]),
+    "zero1": (4, ["--parallelism.data_parallel", "zero1"]),
+    "fsdp": (4, ["--parallelism.data_parallel", "fsdp"]),
+    "hsdp_2x1": (4, ["--parallelism.data_parallel", "hsdp", "--parallelism.replicate_degree", "2"]),
+    "hsdp_1x2": (4, ["--parallelism.data_parallel", "hsdp", "--parallelism.shard_degree", "2"]),
+    "ddp_accum2": (2, ["--parallelism.data_parallel", "ddp", "--training.global_batch_size", "8"]),
+    "fsdp_accum2": (2, ["--parallelism.data_parallel", "fsdp", "--training.global_batch_size", "8"]),
+    "fsdp_reshard_never": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_reshard_after_forward",
+                               "never"]),
+    "fsdp_ac_full": (4, ["--parallelism.data_parallel", "fsdp", "--activation_checkpoint.mode", "full"]),
+}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
+    torch.set_num_threads(1)  # 2 processes on a shared 2-core machine
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for name, (local, extra) in runs.items():
+        t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra)))
+        t.train()
+        if rank == 0:
+            w = next(t.model.parameters())
+            results[name] = {"losses": step_losses(t), "mode": t.run_log.data["startup_info"]["config"]["data_parallel"],
+                             "accum": t.grad_accum, "world": t.dims.world_size, "model": type(t.model).__name__,
+                             "optimizer": type(t.optimizer).__name__,
+                             "mesh": list(w.device_mesh.shape) if hasattr(w, "device_mesh") else None}
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process losses, local batch 8 x accumulation 1 (also builds the python_stdlib cache once)."""
+    return run_single(tmp_path_factory.mktemp("single"), 8)
+
+
+def test_reference_learns(reference):
+    # guards the parity test against a degenerate run where nothing changes
+    assert len(reference) == STEPS and reference[-1] < reference[0] - 0.05
+
+
+def test_data_parallel_modes_match_single_process(reference, tmp_path):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), DIST_RUNS), nprocs=2, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) == set(DIST_RUNS)
+    # each mode really ran as itself: wrapper, optimizer, mesh shape
+    assert (results["ddp"]["model"], results["ddp"]["optimizer"]) == ("DistributedDataParallel", "AdamW")
+    assert (results["zero1"]["model"], results["zero1"]["optimizer"]) == ("DistributedDataParallel",
+                                                                          "ZeroRedundancyOptimizer")
+    assert (results["fsdp"]["model"], results["fsdp"]["mesh"]) == ("FSDPTransformer", [2])
+    assert results["hsdp_2x1"]["mesh"] == [2, 1] and results["hsdp_1x2"]["mesh"] == [1, 2]
+    for name, r in results.items():
+        assert r["world"] == 2 and r["mode"] == DIST_RUNS[name][1][1]
+        assert r["accum"] == (2 if "accum" in name else 1)
+        assert r["losses"] == pytest.approx(reference, rel=1e-5), name
+
+
+def test_accumulation_equals_larger_batch(reference, tmp_path):
+    """local 4 x accumulation 2 gives the same losses as local 8 x accumulation 1."""
+    assert run_single(tmp_path, 4, "--training.global_batch_size", "8") == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("ac", [["full"], ["selective", "op"], ["selective", "2"]])
+def test_activation_checkpointing_changes_no_loss(reference, tmp_path, ac):
+    extra = ["--activation_checkpoint.mode", ac[0]] + (["--activation_checkpoint.selective_option", ac[1]]
+                                                       if len(ac) > 1 else [])
+    t = Trainer(load_config(base_args(tmp_path, 8, *extra)))
+    wrapped = [n for n, b in t.model.layers.named_children() if type(b).__name__ == "CheckpointWrapper"]
+    assert wrapped == (["0", "2"] if ac[-1] == "2" else ["0", "1", "2", "3"])
+    t.train()
+    assert step_losses(t) == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
+    """float8 (emulated), AC and compile wrap modules on meta; materialise + init still gives the
+    very weights of the plain model (what makes the modes comparable), and ties stay tied."""
+    from types import SimpleNamespace
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel import parallelize
+
+    def build(*extra):
+        cfg = load_config(["--model.name", name, *extra])
+        with torch.device("meta"):
+            model = build_model(get_model_args(name, "debug"), "sdpa", 32)
+        dims = SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu"))
+        return parallelize(model, cfg, dims)
+
+    def weights(model):  # canonical names: wrappers add _orig_mod / _checkpoint_wrapped_module
+        strip = lambda n: n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        return {strip(n): p.detach() for n, p in model.named_parameters()}
+
+    plain = weights(build())
+    for extra in (["--activation_checkpoint.mode", "full"], ["--compile.enable"],
+                  ["--float8.enable", "--float8.emulate", "--activation_checkpoint.mode", "selective",
+                   "--compile.enable"]):
+        got = weights(build(*extra))
+        assert got.keys() == plain.keys(), extra
+        for k in plain:
+            assert torch.equal(got[k], plain[k]), (extra, k)
+    model = build()
+    if model.args.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_bad_selective_option_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="activation_checkpoint.selective_option"):
+        Trainer(load_config(base_args(tmp_path, 4, "--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_option", "half")))
+
+
+def test_hsdp_degrees_must_cover_the_world(monkeypatch):
+
+    from titanlite.parallel.data_parallel import hsdp_shape
+
+    cfg = load_config(["--parallelism.replicate_degree", "3"])
+    with pytest.raises(ConfigError, match=r"replicate_degree \(3\) x parallelism.shard_degree"):
+        hsdp_shape(cfg, 4)
+    assert hsdp_shape(load_config(["--parallelism.replicate_degree", "2"]), 8) == (2, 4)
+    assert hsdp_shape(load_config(["--parallelism.shard_degree", "2"]), 8) == (4, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: shard per node, replicate across
+    assert hsdp_shape(load_config([]), 8) == (2, 4)
+
+
+# ------------------------------------------------------------------------------------------ float8
+def test_float8_on_cpu_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"float8.enable needs a GPU .* float8.emulate=true"):
+        Trainer(load_config(base_args(tmp_path, 4, "--float8.enable")))
+
+
+def test_float8_filter_skips_output_and_odd_shapes():
+    import torch.nn as nn
+
+    from titanlite.parallel.parallelize import _float8_eligible
+
+    assert _float8_eligible(nn.Linear(128, 384), "layers.0.feed_forward.w1")
+    assert not _float8_eligible(nn.Linear(128, 2048), "output")
+    assert not _float8_eligible(nn.Linear(128, 100), "layers.0.attention.wq")
+
+
+def test_float8_emulated_converts_and_trains(tmp_path):
+    """float8.emulate swaps the eligible linears for torchao's Float8Linear and still learns."""
+    t = Trainer(load_config(base_args(tmp_path, 4, "--float8.enable", "--float8.emulate",
+                                      "--training.steps", "3")))
+    kinds = {n: type(m).__name__ for n, m in t.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["output"] == "Linear"
+    assert kinds["layers.0.feed_forward.w1"] == "Float8Linear"
+    t.train()
+    losses = step_losses(t)
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+
+
+# ------------------------------------------------------------------------------------- CUDA graphs
+def test_cuda_graphs_on_cpu_log_once_and_match_eager(reference, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        t = Trainer(load_config(base_args(tmp_path, 8, "--training.cuda_graphs", "--training.cuda_graphs_warmup",
+                                          "2")))
+        t.train()
+    notes = [r.message for r in caplog.records if "cuda_graphs" in r.message]
+    assert len(notes) == 1 and "unavailable" in notes[0] and "cpu" in notes[0]
+    assert step_losses(t) == reference  # the very same eager computation
+
+
+def test_forced_capture_failure_falls_back_cleanly(reference, tmp_path, caplog, monkeypatch):
+    """Capture is attempted after warm-up; when it raises, the same batches run eagerly, once logged."""
+    from titanlite.parallel.cuda_graphs import CudaGraphStep
+
+    attempts = []
+
+    def broken_capture(self, batches):
+        attempts.append(len(batches))
+        raise RuntimeError("forced capture failure\nsecond line")
+
+    monkeypatch.setattr(CudaGraphStep, "available", staticmethod(lambda device: (True, "")))
+    monkeypatch.setattr(CudaGraphStep, "_capture", broken_capture)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        t = Trainer(load_config(base_args(tmp_path, 8, "--training.cuda_graphs", "--training.cuda_graphs_warmup", "3")))
+        t.train()
+    notes = [r.message for r in caplog.records if "CUDA graph" in r.message]
+    assert attempts == [1]  # one attempt, after 3 warm-up steps
+    assert notes == ["CUDA graph capture failed (RuntimeError: forced capture failure); continuing without CUDA graphs"]
+    assert step_losses(t) == pytest.approx(reference, rel=1e-5)
+
+
+def test_cuda_graphs_refuse_fsdp_naming_why():
+    from types import SimpleNamespace
+
+    from titanlite.parallel.cuda_graphs import check_cuda_graphs
+
+    cfg = load_config(["--training.cuda_graphs"])
+    with pytest.raises(ConfigError, match="data_parallel=fsdp: FSDP2 allocates and frees"):
+        check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="fsdp"))
+    with pytest.raises(ConfigError, match="zero1"):
+        check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="zero1"))
+    check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="ddp"))  # allowed
+    with pytest.raises(ConfigError, match="on_nan=stop"):
+        check_cuda_graphs(load_config(["--training.cuda_graphs", "--training.on_nan", "skip"]),
+                          SimpleNamespace(world_size=1, mode="none"))

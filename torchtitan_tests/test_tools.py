@@ -1,0 +1,127 @@
+"""compare / plot on three real CPU runs, and the seed guide's analysis snippets run verbatim on them."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titanlite.config import load_config
+from titanlite.tools import compare, plot
+from titanlite.train import Trainer
+
+from conftest import ROOT
+
+# Verbatim from the seeds' mfu_testing_guide_qwen3.md ("Quick Stats", "Compare All Runs"); the tests
+# substitute only the folder name 'out-qwen3-1.8b'.
+QUICK_STATS = """import json, glob, os
+log = sorted(glob.glob('out-qwen3-1.8b/run_*.json'), key=os.path.getmtime)[-1]
+data = json.load(open(log))
+iters = data['training_iterations'][50:]  # Skip warmup
+avg_mfu = sum(i['mfu'] for i in iters) / len(iters)
+avg_tokens = sum(i['tokens_per_sec'] for i in iters) / len(iters)
+print(f"Avg MFU: {avg_mfu:.2f}%")
+print(f"Avg tokens/sec: {avg_tokens:,.0f}")
+"""
+COMPARE_ALL_RUNS = """import json, glob, os
+logs = sorted(glob.glob('out-qwen3-1.8b/run_*.json'), key=os.path.getmtime, reverse=True)[:5]
+print(f"{'Config':<30} {'GPUs':>5} {'BS':>4} {'MFU':>7} {'Tokens/s':>10}")
+print("-" * 62)
+for log in logs:
+    data = json.load(open(log))
+    cfg = data['startup_info']['config']
+    iters = data['training_iterations'][50:]
+    mfu = sum(i['mfu'] for i in iters) / len(iters)
+    tok = sum(i['tokens_per_sec'] for i in iters) / len(iters)
+    opts = []
+    if cfg['compile']: opts.append('compile')
+    if cfg['use_dataloader']: opts.append('DL')
+    if cfg['use_cuda_graphs']: opts.append('CG')
+    name = '+'.join(opts) if opts else 'baseline'
+    print(f"{name:<30} {cfg['world_size']:>5} {cfg['batch_size']:>4} {mfu:>6.2f}% {tok:>10,.0f}")
+"""
+
+RUNS = [[], ["--training.global_batch_size", "4", "--job.description", "accum2"],
+        ["--training.local_batch_size", "4", "--training.dataset", "python_stdlib"]]
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    """Three tiny runs of 52 log entries each (the seeds' snippets skip the first 50)."""
+    out = tmp_path_factory.mktemp("runs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and spares a loaded CI machine
+    try:
+        _train_runs(out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _train_runs(out):
+    for extra in RUNS:
+        cfg = load_config(["--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size",
+                           "2", "--training.steps", "52", "--metrics.log_freq", "1", "--validation.enable=false",
+                           "--metrics.progress_bar=false", "--data.num_workers", "0", "--metrics.peak_tflops", "0.05",
+                           "--job.dump_folder", str(out), *extra])
+        Trainer(cfg).train()
+
+
+def _snippet(code: str, folder) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable], input=code.replace("out-qwen3-1.8b", str(folder)),
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_seed_snippets_run_verbatim(runs_dir):
+    r = _snippet(COMPARE_ALL_RUNS, runs_dir)
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()[2:]
+    assert len(rows) == 3
+    assert sorted((row.split()[1], row.split()[2]) for row in rows) == [("1", "2"), ("1", "2"), ("1", "4")]
+    assert {row.split()[0] for row in rows} == {"baseline", "DL"}  # python_stdlib goes through the dataloader
+    r = _snippet(QUICK_STATS, runs_dir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Avg MFU: ") and "Avg tokens/sec: " in r.stdout
+
+
+def test_compare_table_and_csv(runs_dir, tmp_path, capsys):
+    assert compare.main([str(runs_dir), "--csv", str(tmp_path / "t.csv")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak", "GB", "Loss", "Run"]
+    assert len(lines) == 2 + 3
+    with open(tmp_path / "t.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["Config"], r["BS"], r["GA"]) for r in rows] == [("baseline", "2", "1"), ("accum2", "2", "2"), ("DL", "4", "1")]
+    for r, path in zip(rows, sorted(runs_dir.glob("run_*.json"))):
+        its = json.loads(path.read_text())["training_iterations"][50:]
+        assert float(r["MFU"]) == pytest.approx(sum(e["mfu"] for e in its) / len(its))
+        assert float(r["Tokens/s"]) == pytest.approx(sum(e["tokens_per_sec"] for e in its) / len(its))
+
+
+def test_plot_writes_pngs(runs_dir, tmp_path):
+    out = tmp_path / "plots"
+    r = subprocess.run([sys.executable, "-m", "titanlite.tools.plot", *map(str, sorted(runs_dir.glob("run_*.json"))),
+                        "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    names = {p.name for p in out.iterdir()}
+    assert {"loss.png", "tokens_per_sec.png", "mfu.png", "memory.png", "overview.png"} <= names
+    assert len([n for n in names if n.startswith("breakdown_run_")]) == 3
+    for p in out.iterdir():
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("tool", ["compare", "plot"])
+def test_unreadable_inputs_fail_in_one_line(tool, tmp_path):
+    bad = tmp_path / "run_bad.json"
+    bad.write_text('{"startup_info": ')
+    other = tmp_path / "other.json"
+    other.write_text('{"a": 1}')
+    for arg, needle in ((bad, "not valid JSON"), (other, "not a run log"), (tmp_path / "missing.json", "no such file"),
+                        (tmp_path / "sub", "no such file")):
+        extra = ["--out", str(tmp_path / "o")] if tool == "plot" else []
+        r = subprocess.run([sys.executable, "-m", f"titanlite.tools.{tool}", str(arg), *extra],
+                           capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.count("\n") == 1 and needle in r.stderr and str(arg) in r.stderr
