@@ -31,6 +31,10 @@ SUITES = {
     "h100": {
         "eager": ["--training.local_batch_size", "4", "--compile.enable=false"],
         "compile": ["--training.local_batch_size", "4", "--compile.enable"],
+        "compile loss=cross_entropy": ["--training.local_batch_size", "4", "--compile.enable",
+                                       "--training.loss", "cross_entropy"],
+        "compile fuse_clip=false": ["--training.local_batch_size", "4", "--compile.enable",
+                                    "--optimizer.fuse_clip=false"],
         "compile+float8": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable"],
         "compile+cuda_graphs": ["--training.local_batch_size", "4", "--compile.enable", "--training.cuda_graphs"],
     },

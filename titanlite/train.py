@@ -108,7 +108,9 @@ class Trainer:
         self.model = model
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.optimizer_skips_nonfinite = cfg.training.on_nan == "skip" and fused_clip_supported(self.optimizer)
+        fuse = cfg.optimizer.fuse_clip and fused_clip_supported(self.optimizer)
+        self.fused_clip_optimizer = self.optimizer if fuse else None  # clip scale goes into the AdamW kernel
+        self.optimizer_skips_nonfinite = fuse and cfg.training.on_nan == "skip"
         self.state = TrainState()
         # Checkpoints: resume (or initial safetensors load) now, before anything reads the state.
         self.checkpointer = Checkpointer(
@@ -232,7 +234,7 @@ class Trainer:
                     loss.backward()
                 total += loss.detach()
             with self.timer.phase("optimizer"):
-                grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.optimizer,
+                grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.fused_clip_optimizer,
                                            skip_nonfinite=self.cfg.training.on_nan == "skip")
                 if self.optimizer_skips_nonfinite:
                     self.optimizer.step()  # the fused kernel skips a non-finite step on device, no sync

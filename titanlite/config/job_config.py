@@ -45,6 +45,7 @@ class Optimizer:
     eps: float = doc(1e-8, "AdamW epsilon", min=0.0)
     weight_decay: float = doc(0.1, "decoupled weight decay (not applied to norms and biases)", min=0.0)
     fused: Literal["auto", "true", "false"] = doc("auto", "fused AdamW kernel; auto = on for CUDA")
+    fuse_clip: bool = doc(True, "with the fused kernel, apply the grad-norm clip inside it (saves a pass over the grads)")
 
 
 @dataclass
