@@ -78,7 +78,9 @@ def run_titanlite(name: str, args: list[str], ngpu: int, steps: int, skip: int, 
     steady = [e for e in log["training_iterations"] if e["iter"] > skip] or log["training_iterations"][-1:]
     mean = lambda k: sum(e[k] for e in steady) / len(steady)
     return {"tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu") if steady[0]["mfu"] is not None else None,
-            "mem": max(e["memory_peak_gb"] for e in log["training_iterations"]), "wall": time.time() - t0,
+            "mem": max(e["memory_peak_gb"] for e in log["training_iterations"]),
+            "reserved": max(e.get("memory_reserved_peak_gb", 0) for e in log["training_iterations"]),
+            "wall": time.time() - t0,
             "backend": log["startup_info"]["config"].get("attention_backend")}
 
 
@@ -99,8 +101,9 @@ def run_peer(ngpu: int, overrides: list[str], skip: int, out: Path, timeout: int
     steady = [x for x in rows if x[0] > skip]
     if not steady:
         return {"error": "no step lines from the peer"}
+    # torchtitan's "memory" is the caching allocator's max reserved, so it is compared with ours
     return {"tps_gpu": sum(x[2] for x in steady) / len(steady), "mfu": sum(x[3] for x in steady) / len(steady),
-            "mem": max(x[1] for x in steady)}
+            "mem": None, "reserved": max(x[1] for x in steady)}
 
 
 def main() -> None:
@@ -143,15 +146,18 @@ def main() -> None:
                 ref = peer.get(mode) or peer.get("fsdp")
                 rows.append((name, ngpu, res, ref))
                 print(f"[{time.strftime('%H:%M:%S')}] {name} {ngpu} GPU: {res}", flush=True)
-    print(f"\n{'config':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'MFU %':>7} {'peak GiB':>9} {'vs peer':>8}  note")
-    print("-" * 84)
+    print(f"\n{'config':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'MFU %':>7} {'alloc GiB':>9} {'rsrvd GiB':>9} "
+          f"{'vs peer':>8}  note")
+    print("-" * 94)
     for name, ngpu, r, ref in rows:
         if "error" in r:
-            print(f"{name:<30} {ngpu:>4} {'-':>10} {'-':>7} {'-':>9} {'-':>8}  {r['error']}")
+            print(f"{name:<30} {ngpu:>4} {'-':>10} {'-':>7} {'-':>9} {'-':>9} {'-':>8}  {r['error']}")
             continue
         ratio = f"{r['tps_gpu'] / ref['tps_gpu']:.3f}" if ref and "error" not in ref else "-"
         mfu = f"{r['mfu']:.1f}" if r.get("mfu") is not None else "-"
-        print(f"{name:<30} {ngpu:>4} {r['tps_gpu']:>10,.0f} {mfu:>7} {r['mem']:>9.1f} {ratio:>8}  {r.get('backend') or ''}")
+        alloc = f"{r['mem']:.1f}" if r.get("mem") is not None else "-"
+        print(f"{name:<30} {ngpu:>4} {r['tps_gpu']:>10,.0f} {mfu:>7} {alloc:>9} {r['reserved']:>9.1f} {ratio:>8}  "
+              f"{r.get('backend') or ''}")
 
 
 if __name__ == "__main__":

@@ -386,7 +386,9 @@ def memory_stats(device: torch.device) -> dict:
     if device.type == "cuda":
         return {"memory_gb": round(torch.cuda.memory_allocated(device) / 2**30, 3),
                 "memory_peak_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
-                "memory_reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 3)}
+                "memory_reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 3),
+                # what torchtitan's log line calls "memory" (max reserved by the caching allocator)
+                "memory_reserved_peak_gb": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

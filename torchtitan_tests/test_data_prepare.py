@@ -177,7 +177,8 @@ def test_killed_preparation_leaves_nothing_readable(tmp_path, tokenizer):
     (d / "a.txt").write_text(DOCS[0] * 40000)  # > 1 MB: a full tokenizer task, then shards
     os.mkfifo(d / "b.txt")  # the run blocks here, forever, until killed
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-m", "titanlite.data.prepare", "--input", str(d), "--output", str(out),
+    p = subprocess.Popen([sys.executable, "-m", "titanlite.data.prepare", "--input", str(d / "a.txt"), "--input",
+                          str(d / "b.txt"), "--output", str(out),
                           "--tokenizer", str(tokenizer), "--workers", "1", "--shard-tokens", "1000"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

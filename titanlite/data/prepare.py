@@ -257,7 +257,7 @@ def _tokenize(pieces: Iterator[Piece], tokenizer_file: Path, packer: _Packer, wo
     try:
         for chunk in _chunks(pieces):
             pending.append((chunk, submit([t for t, _ in chunk])))
-            if len(pending) >= 2 * workers:
+            if len(pending) >= (2 * workers if pool else 1):  # keep each process busy, bound memory
                 drain_one()
         while pending:
             drain_one()
