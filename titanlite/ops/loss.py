@@ -22,15 +22,16 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
     """Summed loss of one chunk and d(mean loss)/d(logits) = (softmax - onehot) / N, in the logits' dtype.
 
-    Elementwise only: on CUDA it is compiled, so the fp32 softmax lives in registers and the chunk's
-    logits are read once and its gradient written once.
+    Elementwise only, and in place on one fp32 copy of the chunk, so eager mode holds a single
+    (tokens x vocab) fp32 buffer; on CUDA with compile it fuses further (logits read once, gradient
+    written once).
     """
-    x = logits.float()
+    x = logits.float() if logits.dtype != torch.float32 else logits.clone()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    target = x.gather(1, labels[:, None])
-    grad = torch.exp(x - lse)
-    onehot = torch.zeros_like(grad).scatter_(1, labels[:, None], 1.0)
-    return (lse - target).sum(), ((grad - onehot) * inv_n).to(logits.dtype)
+    loss_sum = (lse.squeeze(1) - x.gather(1, labels[:, None]).squeeze(1)).sum()
+    x.sub_(lse).exp_()  # softmax
+    x.scatter_add_(1, labels[:, None], torch.full((labels.shape[0], 1), -1.0, device=x.device))
+    return loss_sum, x.mul_(inv_n).to(logits.dtype)
 
 
 _compiled_chunk_fn = None
