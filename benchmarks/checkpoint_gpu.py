@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--ngpu", type=int, default=0, help="GPUs (default: all visible)")
     p.add_argument("--folder", default="/tmp/titanlite_ckbench")
     p.add_argument("--local-batch", type=int, default=4)
+    p.add_argument("--skip-modes", default="", help="comma-separated async modes not to time")
     a = p.parse_args()
     import torch
 
@@ -85,7 +86,7 @@ def main() -> None:
     rows = [("disabled", [blocked(ref_out)[5]], statistics.median(e["time_ms"] for e in ref[1:]), ref[5]["time_ms"])]
     shutil.rmtree(root / "resume", ignore_errors=True)
 
-    for mode in ("async", "async_with_pinned_mem"):
+    for mode in [m for m in ("async", "async_with_pinned_mem") if m not in a.skip_modes.split(",")]:
         out, it = train(root / mode, ngpu, a.local_batch, "--training.steps", "7", "--checkpoint.interval", "3",
                         "--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", mode)
         b = blocked(out)

@@ -104,13 +104,14 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated case names (default: every case that fits the GPUs)")
     ap.add_argument("--compile", action="store_true", help="measure with torch.compile")
     ap.add_argument("--no-oom-search", action="store_true")
+    ap.add_argument("--oom-search", action="store_true", help="search the OOM boundary even with --only")
     opts = ap.parse_args()
     import torch
 
     hw, ngpu = hardware_name(), torch.cuda.device_count()
     print(f"# {torch.cuda.get_device_name(0)} x {ngpu}: total_memory "
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.2f} GiB (table: estimation hardware '{hw}')")
-    names = opts.only.split(",") if opts.only else [n for n, (r, _) in CASES.items() if r <= ngpu]
+    names = [n for n in opts.only.split(",") if n] if opts.only else [n for n, (r, _) in CASES.items() if r <= ngpu]
     extra = ["--compile.enable"] if opts.compile else ["--compile.enable=false"]
     rows, t0 = [], time.time()
     for name in names:
@@ -129,7 +130,7 @@ def main() -> None:
         et = f"{100 * (pt - mt) / mt:+.1f}" if mt else "-"
         print(f"| {name} | {r} | {pm:.2f} | {mm if mm is not None else 'failed'} | {em} | {pt:,.0f} | "
               f"{f'{mt:,.0f}' if mt else '-'} | {et} | {dom} |")
-    if not opts.no_oom_search and not opts.only:
+    if not opts.no_oom_search and (not opts.only or opts.oom_search):
         pred = predict(1, ["--training.local_batch_size", "8"] + extra, hw, search=True)["batch_search"]
         real = oom_boundary(max(1, pred["largest_local_batch"]), extra)
         print(f"\nlargest local batch on 1 x {hw}: predicted {pred['largest_local_batch']}, measured {real} "
