@@ -121,6 +121,7 @@ class Trainer:
                             "args": dataclasses.asdict(self.model_args)},
                   "tokenizer": str(getattr(self.data, "tokenizer_path", "") or "")})
         self.checkpointer.load()
+        self.start_step = self.state.step  # where this process began (0, or the resumed step)
         self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
@@ -128,7 +129,8 @@ class Trainer:
                          if self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
                          and self.dims.mode not in ("fsdp", "hsdp") else None)
         # training.loss=cross_entropy takes logits; compiled with the blocks (chunked compiles itself)
-        self.loss_fn = torch.compile(cross_entropy) if cfg.compile.enable else cross_entropy
+        self.loss_fn = (torch.compile(cross_entropy) if cfg.compile.enable and cfg.training.loss == "cross_entropy"
+                        else cross_entropy)
         self.cuda_graph = CudaGraphStep.build(self)  # None unless training.cuda_graphs can run here
 
         self.n_params = self.model_args.num_params()
@@ -138,7 +140,8 @@ class Trainer:
         self.peak = peak_tflops(self.device_name if self.device.type == "cuda" else "", cfg.metrics.peak_tflops)
         if self.device.type == "cuda" and self.peak is None:
             logger.warning(f"no bf16 peak known for '{self.device_name}': set --metrics.peak_tflops to see MFU")
-        self.console = Console(self.dims.is_main, cfg.training.steps, cfg.metrics.progress_bar)
+        self.console = Console(self.dims.is_main, cfg.training.steps, cfg.metrics.progress_bar,
+                               start_step=self.state.step)
         self.run_log = RunLog(cfg.job.dump_folder, self.startup_info()) if self.dims.is_main else None
         if self.dims.is_main:
             with open(os.path.join(cfg.job.dump_folder, f"run_{self.run_log.stamp}_config.toml"), "w") as fh:
@@ -205,7 +208,7 @@ class Trainer:
         micro-batches it fetched run eagerly below (`batches`), so no data is skipped.
         """
         graph, batches = self.cuda_graph, None
-        if graph is not None and graph.ready(self.state.step):
+        if graph is not None and graph.ready(self.state.step - self.start_step):  # warm-up restarts on resume
             with self.timer.phase("data"):
                 batches = [self.next_batch() for _ in range(self.grad_accum)]
                 self.faults.data()
@@ -215,7 +218,7 @@ class Trainer:
                 self.faults.compute()
                 out = graph.step(batches)
             if out is not None:
-                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (host float)
+                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
                 self.lr_scheduler.step()
                 return out
         with graph.warmup_context() if graph is not None else contextlib.nullcontext():
@@ -239,13 +242,15 @@ class Trainer:
                 if self.optimizer_skips_nonfinite:
                     self.optimizer.step()  # the fused kernel skips a non-finite step on device, no sync
                     float8_post_step(self.model, self.cfg)
-                elif self.cfg.training.on_nan == "skip" and not torch.isfinite(total):  # one sync per step
-                    logger.warning(f"step {self.state.step + 1}: non-finite loss, update skipped")
+                elif self.cfg.training.on_nan == "skip" and not torch.isfinite(grad_norm):  # one sync per step
+                    # the norm is global after the gradient sync, so every rank skips together, and an
+                    # overflow in backward with a finite loss is caught too
+                    logger.warning(f"step {self.state.step + 1}: non-finite gradients, update skipped")
                 else:
                     self.optimizer.step()
                     float8_post_step(self.model, self.cfg)
                 self.optimizer.zero_grad(set_to_none=True)
-                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (host float)
+                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
                 self.lr_scheduler.step()
         return total, grad_norm
 
@@ -296,13 +301,14 @@ class Trainer:
                 self.log_step(elapsed, interval_steps, grad_norm)
                 interval_start, interval_steps = time.perf_counter(), 0
             if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop:
+                validating = time.perf_counter()
                 val_loss = self.validate()
                 self.console.info(f"step {st.step}: validation loss {val_loss:.4f}")
                 if self.run_log:
                     self.run_log.add_validation({"iter": st.step, "val_loss": val_loss})
                 if self.tensorboard:
                     self.tensorboard.log_validation(st.step, val_loss)
-                interval_start = time.perf_counter()  # validation time is not training time
+                interval_start += time.perf_counter() - validating  # validation time is not training time
             self.console.advance(st.step)
             saving = time.perf_counter()
             self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last

@@ -85,3 +85,9 @@ def test_run_train_sh_indivisible_global_batch():
     r = subprocess.run(["./run_train.sh", "--training.local_batch_size", "4", "--training.global_batch_size", "12"],
                        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ, "NGPU": "2"})
     assert r.returncode == 2 and "training.global_batch_size (12)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_several_ranks_need_a_data_parallel_mode():
+    r = subprocess.run(["./run_train.sh", "--parallelism.data_parallel", "none"], capture_output=True, text=True,
+                       cwd=ROOT, env={**__import__("os").environ, "NGPU": "2"})
+    assert r.returncode == 2 and "parallelism.data_parallel=none with 2 ranks" in r.stderr

@@ -81,3 +81,13 @@ def test_cpu_backends_agree_with_manual():
     assert torch.allclose(out, ref, atol=1e-5)
     for a, b in zip(g, gref):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_chunked_loss_without_autograd_matches():
+    from titanlite.ops.loss import chunked_linear_cross_entropy, cross_entropy
+
+    torch.manual_seed(0)
+    h, w, y = torch.randn(2, 37, 16), torch.randn(50, 16), torch.randint(0, 50, (2, 37))
+    ref = cross_entropy(h @ w.t(), y)
+    with torch.no_grad():
+        assert torch.allclose(chunked_linear_cross_entropy(h, w, y, chunk_tokens=10), ref, atol=1e-5)

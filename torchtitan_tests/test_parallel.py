@@ -1,7 +1,7 @@
 """Data-parallel modes, accumulation, activation checkpointing, float8 and CUDA-graph fallback on CPU.
 
-Parity: the python_stdlib dataset gives rank r of d the windows r, r+d, ... of one shuffled order,
-so 2 ranks x local batch b see exactly the samples a single process sees in its batch of 2b. Every
+Parity: every rank reads its slice of one seeded global sample order (titanlite/data/loader.py), so
+2 ranks x local batch b see exactly the samples a single process sees in its batch of 2b. Every
 mode must then give the single process's per-step losses (within 1e-5 relative).
 """
 

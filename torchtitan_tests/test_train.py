@@ -95,14 +95,29 @@ def test_chunked_loss_matches_logits_loss(tmp_cache):
     assert chunked == pytest.approx(plain, rel=1e-5)
 
 
-def test_fused_skip_of_nonfinite_step_needs_no_sync(tmp_cache, monkeypatch):
-    """on_nan=skip with the fused optimizer: a poisoned step leaves the weights untouched."""
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_skip_of_nonfinite_step(tmp_cache, monkeypatch, fused):
+    """on_nan=skip: a poisoned step leaves the weights untouched, decided on device by the fused kernel
+    or on the (global) gradient norm otherwise."""
     cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "1", "--training.seq_len", "16",
-                       "--training.local_batch_size", "2", "--optimizer.fused", "true", "--training.on_nan", "skip",
+                       "--training.local_batch_size", "2", "--optimizer.fused", fused, "--training.on_nan", "skip",
                        "--job.dump_folder", str(tmp_cache), "--validation.enable=false"])
     t = Trainer(cfg)
-    assert t.optimizer_skips_nonfinite
+    assert t.optimizer_skips_nonfinite == (fused == "true")
     before = [p.detach().clone() for p in t.model.parameters()]
     monkeypatch.setattr(t, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
     t.train_step()
     assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+
+
+def test_validation_time_does_not_inflate_throughput(tmp_cache):
+    """Validation between log steps is excluded from step time without dropping the steps before it:
+    with a 60 ms injected data delay per step, no logged step can be faster than 60 ms."""
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "8", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--metrics.log_freq", "4", "--validation.freq", "2",
+                       "--validation.steps", "1", "--debug.inject_data_delay_ms", "60",
+                       "--job.dump_folder", str(tmp_cache), "--metrics.progress_bar=false"])
+    t = Trainer(cfg)
+    t.train()
+    for e in t.run_log.data["training_iterations"]:
+        assert e["time_ms"] >= 60, e["time_ms"]

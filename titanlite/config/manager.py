@@ -216,6 +216,13 @@ def resolve_batch(cfg: JobConfig, dp_size: int) -> int:
     return gb // (lb * dp_size)
 
 
+def check_world_size(cfg: JobConfig, world: int) -> None:
+    """Several ranks need a data-parallel mode: without one they would train unsynchronised copies."""
+    if world > 1 and cfg.parallelism.data_parallel == "none":
+        raise ConfigError(f"parallelism.data_parallel=none with {world} ranks would train unsynchronised copies; "
+                          f"choose ddp, zero1, fsdp or hsdp (or run one process)")
+
+
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 

@@ -11,8 +11,9 @@ import time
 
 
 class Console:
-    def __init__(self, enabled: bool, total_steps: int, progress_bar: bool = True):
+    def __init__(self, enabled: bool, total_steps: int, progress_bar: bool = True, start_step: int = 0):
         self.enabled, self.total, self.t0 = enabled, total_steps, time.perf_counter()
+        self.start_step = start_step  # a resumed run's ETA counts only the steps this process ran
         self.bar = None
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -37,7 +38,7 @@ class Console:
 
     def log_step(self, e: dict) -> None:
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(e["iter"], 1) * (self.total - e["iter"])
+        eta = elapsed / max(e["iter"] - self.start_step, 1) * (self.total - e["iter"])
         mfu = f" | mfu {e['mfu']:5.1f}%" if e.get("mfu") is not None else ""
         gpu = f" | gpu {e['gpu_util_pct']:.0f}% {e['power_w']:.0f} W" if e.get("gpu_util_pct") is not None else ""
         self._write(

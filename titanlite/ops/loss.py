@@ -72,6 +72,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h * grad_out, grad_w * grad_out, None, None, None, None
 
 
+def _chunked_loss_only(hidden, weight, labels, chunk_tokens: int, compute_dtype) -> torch.Tensor:
+    """Validation / no-grad path: the loss chunk by chunk, no gradient buffers."""
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, h.shape[0], chunk_tokens):
+            logits = (h[start : start + chunk_tokens] @ w.t()).float()
+            total += F.cross_entropy(logits, labels[start : start + chunk_tokens], reduction="sum")
+    return total / h.shape[0]
+
+
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  chunk_tokens: int = 4096, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against labels, computed in token chunks.
@@ -84,6 +95,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
         compute_dtype = torch.get_autocast_dtype(hidden.device.type)
     else:
         compute_dtype = hidden.dtype
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return _chunked_loss_only(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens, compute_dtype)
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLinearCE.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens, compute_dtype,
                                       compiled)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
+from titanlite.config.manager import check_world_size
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 
 
@@ -126,6 +127,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def check_combination(cfg, dims) -> None:
     """Combinations that cannot work, refused at start-up with the reason."""
+    check_world_size(cfg, dims.world_size)
     if dims.mode == "hsdp":
         from titanlite.parallel.data_parallel import hsdp_shape
 
