@@ -311,6 +311,8 @@ class Trainer:
                 interval_start += time.perf_counter() - validating  # validation time is not training time
             self.console.advance(st.step)
             saving = time.perf_counter()
+            if st.losses and cfg.training.on_nan == "stop" and self.checkpointer.should_save(st.step, last):
+                self.check_finite_losses(len(st.losses))  # never write a checkpoint of NaN weights
             self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
             interval_start += time.perf_counter() - saving  # time blocked by a save is logged by it, not here
             if stop:
@@ -330,17 +332,24 @@ class Trainer:
             self.run_log.set_summary(summary)
         return summary
 
-    def log_step(self, elapsed: float, steps: int, grad_norm: torch.Tensor) -> None:
+    def check_finite_losses(self, steps: int) -> list[float]:
+        """Global mean loss of each step since the last log step (one host sync); with on_nan=stop,
+        raise naming the first non-finite step."""
         st = self.state
         losses = torch.stack(st.losses).float()
         if self.dims.world_size > 1:  # each rank saw its own micro-batches: report the global mean
             dist.all_reduce(losses, op=dist.ReduceOp.AVG)
         step_losses = losses.tolist()
-        st.losses.clear()
         bad = [st.step - steps + 1 + i for i, v in enumerate(step_losses) if not math.isfinite(v)]
         if bad and self.cfg.training.on_nan == "stop":
             raise NonFiniteLossError(f"loss became non-finite at step {bad[0]} (training.on_nan=stop); "
                                      f"lower optimizer.lr or set training.on_nan=skip")
+        return step_losses
+
+    def log_step(self, elapsed: float, steps: int, grad_norm: torch.Tensor) -> None:
+        st = self.state
+        step_losses = self.check_finite_losses(steps)
+        st.losses.clear()
         time_ms = elapsed / steps * 1000
         tps = self.tokens_per_step / (time_ms / 1000)
         tflops = tps * self.flops_per_token / 1e12

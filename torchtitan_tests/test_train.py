@@ -121,3 +121,14 @@ def test_validation_time_does_not_inflate_throughput(tmp_cache):
     t.train()
     for e in t.run_log.data["training_iterations"]:
         assert e["time_ms"] >= 60, e["time_ms"]
+
+
+def test_nan_stop_writes_no_checkpoint_of_nan_weights(tmp_cache):
+    """A checkpoint step between log steps checks the losses first: the run stops, nothing is saved."""
+    r = subprocess.run([sys.executable, "-m", "titanlite.train", "--training.dataset", "synthetic",
+                        "--training.steps", "6", "--training.seq_len", "16", "--training.local_batch_size", "2",
+                        "--optimizer.lr", "1e30", "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0",
+                        "--metrics.log_freq", "10", "--checkpoint.enable", "--checkpoint.interval", "3",
+                        "--job.dump_folder", str(tmp_cache)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 3 and "non-finite at step" in r.stderr
+    assert not list((tmp_cache / "checkpoint").glob("step-*"))
