@@ -12,8 +12,6 @@ Steady state = log steps after --skip (compile and warm-up excluded), averaged.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import re
 import subprocess
@@ -22,9 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = ["--model.name", "llama", "--model.flavor", "1.36B", "--training.seq_len", "2048", "--training.dataset",
-          "synthetic", "--lr_scheduler.warmup_steps", "10", "--validation.enable=false", "--metrics.log_freq", "5",
-          "--metrics.progress_bar=false", "--checkpoint.enable=false"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_parallel import figures, launch  # noqa: E402  (one launcher and one steady-state rule for both)
+# On top of gpu_parallel.MODEL (which pins local batch 4 and in-process data; the suites override the batch).
+SHAPES = ["--data.num_workers", "2", "--checkpoint.enable=false"]
 
 # name -> extra titanlite arguments (on top of SHAPES). Local batch 4 = the peer's shapes.
 SUITES = {
@@ -62,26 +61,13 @@ SUITES = {
 
 
 def run_titanlite(name: str, args: list[str], ngpu: int, steps: int, skip: int, out: Path, timeout: int) -> dict:
-    folder = out / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}_{ngpu}gpu")
-    cmd = [sys.executable, "-m", "titanlite.train"] if ngpu == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}", "-m", "titanlite.train"]
-    cmd += SHAPES + args + ["--training.steps", str(steps), "--job.dump_folder", str(folder)]
-    t0 = time.time()
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        (out / f"{folder.name}.log").write_text(r.stdout + r.stderr)
-        if r.returncode != 0:
-            return {"error": (r.stderr.strip().splitlines() or ["rc %d" % r.returncode])[-1][:120]}
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout}s"}
-    log = json.loads(Path(sorted(glob.glob(str(folder / "run_*.json")))[-1]).read_text())
-    steady = [e for e in log["training_iterations"] if e["iter"] > skip] or log["training_iterations"][-1:]
-    mean = lambda k: sum(e[k] for e in steady) / len(steady)
-    return {"tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu") if steady[0]["mfu"] is not None else None,
-            "mem": max(e["memory_peak_gb"] for e in log["training_iterations"]),
-            "reserved": max(e.get("memory_reserved_peak_gb", 0) for e in log["training_iterations"]),
-            "wall": time.time() - t0,
-            "backend": log["startup_info"]["config"].get("attention_backend")}
+    """One titanlite configuration through gpu_parallel's launcher; steady-state figures or an error."""
+    res = launch(re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}_{ngpu}gpu"), ngpu, SHAPES + args, steps, 5, timeout, out)
+    if res["error"]:
+        return {"error": res["error"]}
+    f = figures(res, skip)
+    return {"tps_gpu": f["tps_gpu"], "mfu": f["mfu"], "mem": f["mem"], "reserved": f["reserved"],
+            "wall": res["wall_s"], "backend": res["log"]["startup_info"]["config"].get("attention_backend")}
 
 
 PEER_LINE = re.compile(r"step:\s*(\d+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+).*mfu:\s*([\d.]+)%")

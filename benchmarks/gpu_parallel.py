@@ -59,6 +59,7 @@ def launch(name: str, ngpus: int, extra: list[str], steps: int, log_freq: int, t
         text, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")), None
+    (folder / f"{out.name}.log").write_text(text)  # the whole output, beside the run folder
     logs = sorted(out.glob("run_*.json"))
     log = json.loads(logs[-1].read_text()) if logs else None
     error = None
@@ -81,7 +82,8 @@ def figures(res: dict, skip: int = 10) -> dict:
         return {}
     mean = lambda k: sum(e[k] for e in steady) / len(steady) if steady[0].get(k) is not None else None
     return {"tps": mean("tokens_per_sec"), "tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu"),
-            "mem": max(e["memory_peak_gb"] for e in its), "ms": mean("time_ms")}
+            "mem": max(e["memory_peak_gb"] for e in its), "ms": mean("time_ms"),
+            "reserved": max(e.get("memory_reserved_peak_gb", 0) for e in its)}
 
 
 def print_table(rows: list[dict]) -> None:
