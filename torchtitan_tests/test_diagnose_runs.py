@@ -3,11 +3,16 @@
 One set of worker processes per world size trains several tiny jobs in turn in the same process
 group (start-up is most of the cost on 2 cores). Every process uses one thread.
 
-Why the 'healthy' pair is two clean runs at the same world size: on a 2-core machine shared with
-other work, a 1 -> 2 process comparison is itself a compute stall whenever anything else runs (the
-tool rightly says so), so it cannot be a test of 'healthy'. Two clean 2-process runs are like for
-like, and any finding there would be a false alarm. Scaling across world sizes is tested with the
-shared-device fault: 4 ranks pinned to one core against a 1-rank baseline.
+Why the 'healthy' pair is two clean 1-process runs: on a 2-core machine shared with other work, a
+1 -> 2 process comparison is itself a compute stall whenever anything else runs, so it cannot be a
+test of 'healthy'. Nor can two clean 2-process runs: measured on the 2-vCPU CI machine, one rank's
+own work (compute, no waits) is 1.25-1.7x the other's for a whole run in about a third of such runs,
+with the ranks on one core each and also with both on the same core (the two vCPUs run at unequal
+speeds, and time-sliced ranks lock into a fixed order). That rank really is slower, so 'straggler' is
+the right answer there, not a false alarm. Two clean 1-process runs are like for like with no rank
+to differ: 0 findings other than 'healthy' in 24 of 24 pairs. Healthy multi-rank logs are covered by
+test_diagnose.py. Scaling across world sizes is tested with the shared-device fault: 4 ranks pinned
+to one core against a 1-rank baseline.
 """
 
 import json
@@ -26,7 +31,7 @@ BASE = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--traini
         "--metrics.progress_bar=false", "--parallelism.data_parallel", "ddp", "--lr_scheduler.warmup_steps", "2"]
 
 JOBS = {
-    1: {"clean1": [], "seq64": ["--training.seq_len", "64"]},
+    1: {"clean1": [], "clean1b": [], "seq64": ["--training.seq_len", "64"]},
     2: {"clean_a": [], "clean_b": [],
         "straggler": ["--debug.inject_compute_matmuls", "80", "--debug.inject_matmul_size", "512", "--debug.inject_rank", "1"],
         "data": ["--debug.inject_data_delay_ms", "60"],
@@ -39,6 +44,10 @@ def _worker(rank, world, port, jobs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if world <= len(cores):
+        # one core per rank, as one GPU per rank: the scheduler would otherwise move ranks between cores
+        os.sched_setaffinity(0, {cores[rank]})
     import torch.distributed as dist
 
     from titanlite.config import load_config
@@ -88,10 +97,10 @@ def check(tmp_path, *logs):
 
 def test_healthy_clean_pair(logs, tmp_path):
     if oversubscribed():
-        # other work on this machine makes one rank slower than another at random: the tool then
-        # reports a real straggler or stall, and 'healthy' is not the right answer to test for
+        # other work on this machine slows one run and not the other: the tool then reports a real
+        # stall, and 'healthy' is not the right answer to test for
         pytest.skip(f"CPU oversubscribed by other work (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    rep = check(tmp_path, logs["clean_a"], logs["clean_b"])
+    rep = check(tmp_path, logs["clean1"], logs["clean1b"])
     assert [f["kind"] for f in rep["findings"]] == ["healthy"], rep["findings"]
     assert rep["scaling_efficiency"]["mode"] == "same_world_size"
     assert all(c["ok"] for checks in rep["self_consistency"].values() for c in checks)
