@@ -3,7 +3,9 @@
 Groups (each fits one ~8-minute device call; pick with --group):
   single  1 GPU: eager, compile, compile+float8, compile+cuda_graphs
   multi   N GPUs (torchrun): ddp, fsdp, zero1 (with compile)
-  graphs  eager vs CUDA-graph per-step losses over 20 steps: 1 GPU, and DDP on 2 GPUs if present
+  graphs  per-step losses over 20 steps, CUDA graphs (captured after 5 steps) against the same run
+          never captured (cuda_graphs_warmup past the last step: the same capturable AdamW, run eagerly),
+          so any difference after step 5 is the replay's: 1 GPU, and DDP on 2 GPUs if present
 
 Every configuration runs as its own subprocess with a timeout; a failure or a timeout becomes a row
 of the table, not a crash. Figures come from the run log's summary and iterations:
@@ -12,7 +14,7 @@ tokens/s per GPU = tokens/s / GPUs, peak memory = max allocated over the run.
 
   python benchmarks/gpu_parallel.py --group single
   python benchmarks/gpu_parallel.py --group multi --ngpus 4
-  python benchmarks/gpu_parallel.py --group graphs
+  python benchmarks/gpu_parallel.py --group graphs [--flavor debug]
 """
 
 from __future__ import annotations
@@ -130,13 +132,15 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated config names of the group to run")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per configuration")
+    ap.add_argument("--flavor", default="1.36B", help="LLaMA flavor (debug: a quick functional check)")
     a = ap.parse_args()
+    MODEL[MODEL.index("--model.flavor") + 1] = a.flavor
     import torch
 
     visible = torch.cuda.device_count()
     if visible == 0:
         sys.exit("error: no CUDA GPU visible; this benchmark runs on the GPU machine")
-    print(f"{visible} x {torch.cuda.get_device_name(0)} | torch {torch.__version__} | LLaMA 1.36B, local batch 4, "
+    print(f"{visible} x {torch.cuda.get_device_name(0)} | torch {torch.__version__} | LLaMA {a.flavor}, local batch 4, "
           f"seq 2048, synthetic data, {a.steps} steps; figures averaged over steps 11-{a.steps}")
     only = set(filter(None, a.only.split(",")))
     folder = Path(tempfile.mkdtemp(prefix="titanlite_bench_"))
@@ -157,12 +161,15 @@ def main() -> None:
     else:
         pairs = []
         graph_args = ["--training.cuda_graphs", "--training.cuda_graphs_warmup", "5"]
+        # The reference is not plain eager: capturable AdamW (device-side lr and step) rounds
+        # differently from the fused default from step 2 on, which would hide what replay changes.
+        never_captured = ["--training.cuda_graphs", "--training.cuda_graphs_warmup", "1000"]
         for n, mode in [(1, []), (2, ["--parallelism.data_parallel", "ddp"])]:
             if n > visible:
                 print(f"\n(skipping the {n}-GPU comparison: {visible} GPU visible)")
                 continue
             tag = "" if n == 1 else "ddp "
-            eager = launch(f"{tag}eager", n, mode, 20, 1, a.timeout, folder)
+            eager = launch(f"{tag}eager_capturable", n, mode + never_captured, 20, 1, a.timeout, folder)
             graph = launch(f"{tag}cuda_graphs", n, mode + graph_args, 20, 1, a.timeout, folder)
             rows += [eager, graph]
             pairs.append((eager, graph))

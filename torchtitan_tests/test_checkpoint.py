@@ -106,6 +106,29 @@ def test_async_save_resumes_exactly(base, tmp_path):
     assert losses(t) == {5: expected[5], 6: expected[6]}
 
 
+def test_reused_stager_survives_dcp_closing_it(base, tmp_path, monkeypatch):
+    """async_with_pinned_mem stages every save through one DefaultStager (pinned buffers on CUDA).
+    torch 2.11's async_save closes the stager it is given when the write is done; the next save must
+    still work (it failed with KeyError: <class 'type'>), and the run resumes bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    real, closed = dcp.async_save, []
+
+    def async_save_that_closes(state, **kw):
+        fut = real(state, **kw)
+        stager = kw.get("async_stager")
+        assert stager is not None, "async_with_pinned_mem saved without its stager"
+        fut.add_done_callback(lambda _: (stager.close(), closed.append(1)))
+        return fut
+
+    monkeypatch.setattr(dcp, "async_save", async_save_that_closes)
+    _, expected = base
+    train(tmp_path, "--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.keep_latest_k", "0")
+    assert len(closed) == 2 and complete_steps(tmp_path / "checkpoint") == [6, 4, 2]
+    t = train(tmp_path, "--checkpoint.load_step", "4")
+    assert losses(t) == {5: expected[5], 6: expected[6]}
+
+
 def test_bad_requests(base, tmp_path):
     folder, _ = copy_run(base, tmp_path)
     with pytest.raises(ConfigError, match=r"checkpoint.load_step=3: no complete checkpoint step-3 .*complete: \[4, 6\]"):

@@ -136,10 +136,9 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------------- save
     def _build_stager(self):
+        """The stager of async_with_pinned_mem: host buffers reused from save to save (pinned on CUDA,
+        plain host memory elsewhere), so each save's device-to-host copy allocates nothing."""
         if self.async_mode != "async_with_pinned_mem":
-            return None
-        if not torch.cuda.is_available():
-            logger.info("checkpoint.async_mode=async_with_pinned_mem needs CUDA: saving with plain async")
             return None
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -147,10 +146,20 @@ class Checkpointer:
             logger.info("checkpoint.async_mode=async_with_pinned_mem needs torch's DefaultStager: plain async")
             return None
 
-        # Reused pinned host buffers: the device-to-host copy of each save is one fast, blocking
-        # step; the write to disk then runs in the background.
-        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=True))
+        class KeptStager(DefaultStager):
+            """torch 2.11's async_save closes the stager it is given once the write is done, which
+            empties its deep-copy table: the next save then fails with `KeyError: <class 'type'>`.
+            Only the Checkpointer closes this one, at the end of training."""
+
+            def close(self) -> None:
+                pass
+
+            def release(self) -> None:
+                super().close()
+
+        cuda = torch.cuda.is_available()
+        return KeptStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                         use_async_staging=False, use_non_blocking_copy=cuda))
 
     def should_save(self, step: int, last: bool) -> bool:
         return self.ck.enable and step != self.last_saved and (last or step % self.ck.interval == 0)
@@ -318,5 +327,5 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         if self.stager is not None:
-            self.stager.close()
+            self.stager.release()
             self.stager = None
