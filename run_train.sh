@@ -26,6 +26,12 @@ fi
 NNODES=1
 if [[ "${TORCHRUN_ARGS:-}" =~ --nnodes[=\ ]([0-9]+) ]]; then NNODES=${BASH_REMATCH[1]}; fi
 
+# Expandable segments: reserved GPU memory stays within a fraction of a percent of allocated (1.36B:
+# 28.90 vs 28.82 GiB), which estimation's fit rule assumes. A setting of your own wins.
+if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
+
 # A bad option costs a second and one line (exit 2), not a process-group start-up.
 "$PY" -m titanlite.config.check --world-size $((NGPU * NNODES)) "${ARGS[@]}"
 

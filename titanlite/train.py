@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -236,6 +237,7 @@ class Trainer:
                     loss = self.forward_loss(inputs, labels) / self.grad_accum
                     loss.backward()
                 total += loss.detach()
+            skipped = False
             with self.timer.phase("optimizer"):
                 grad_norm = clip_grad_norm(self.model, self.cfg.training.max_norm, self.fused_clip_optimizer,
                                            skip_nonfinite=self.cfg.training.on_nan == "skip")
@@ -246,12 +248,16 @@ class Trainer:
                     # the norm is global after the gradient sync, so every rank skips together, and an
                     # overflow in backward with a finite loss is caught too
                     logger.warning(f"step {self.state.step + 1}: non-finite gradients, update skipped")
+                    skipped = True
                 else:
                     self.optimizer.step()
                     float8_post_step(self.model, self.cfg)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
-                self.lr_scheduler.step()
+                with warnings.catch_warnings():
+                    if skipped:  # a skipped step still uses up its lr; torch would warn of a misordered call
+                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+                    self.lr_scheduler.step()
         return total, grad_norm
 
     @torch.no_grad()

@@ -23,7 +23,10 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [dims.device.index] if dims.device.type == "cuda" else None
-    wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb)
+    # broadcast_buffers=False: the only buffers are RoPE tables, computed identically on every rank and
+    # never updated; the default would broadcast them before every forward (a collective per micro-step)
+    wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
+                                           broadcast_buffers=False)
     if cfg.training.cuda_graphs and dims.device.type == "cuda":
         # A backward captured in a CUDA graph needs DDP built on a side stream (torch's CUDA-graph notes).
         with torch.cuda.stream(torch.cuda.Stream(dims.device)):

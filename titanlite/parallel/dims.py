@@ -47,6 +47,10 @@ def init_distributed(cfg) -> ParallelDims:
             share_one_cpu_core()
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"  # NCCL refuses two ranks on one GPU
+        if backend == "nccl" and cfg.training.cuda_graphs:
+            # torch's CUDA-graph notes: collectives captured in a graph need NCCL's asynchronous error
+            # handling off (its watchdog would poll events of work that only a replay runs)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     mode = cfg.parallelism.data_parallel if world > 1 else "none"
     return ParallelDims(world, rank, local_rank, device, mode)
