@@ -10,13 +10,15 @@ own work (compute, no waits) is 1.25-1.7x the other's for a whole run in about a
 with the ranks on one core each and also with both on the same core (the two vCPUs run at unequal
 speeds, and time-sliced ranks lock into a fixed order). That rank really is slower, so 'straggler' is
 the right answer there, not a false alarm. Two clean 1-process runs are like for like with no rank
-to differ: 0 findings other than 'healthy' in 24 of 24 pairs. Healthy multi-rank logs are covered by
-test_diagnose.py. Scaling across world sizes is tested with the shared-device fault: 4 ranks pinned
-to one core against a 1-rank baseline.
+to differ: 0 findings other than 'healthy' in 24 of 24 pairs. Each run records the share of its
+wall time it spent on the CPU; a pair where other work took the core (share < 90%) is skipped.
+Healthy multi-rank logs are covered by test_diagnose.py. Scaling across world sizes is tested with
+the shared-device fault: 4 ranks pinned to one core against a 1-rank baseline.
 """
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -54,7 +56,12 @@ def _worker(rank, world, port, jobs):
     from titanlite.train import Trainer
 
     for folder, extra in jobs:
-        Trainer(load_config(BASE + ["--job.dump_folder", folder] + extra)).train()
+        trainer = Trainer(load_config(BASE + ["--job.dump_folder", folder] + extra))
+        wall, cpu = time.perf_counter(), time.process_time()
+        trainer.train()
+        share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+        with open(os.path.join(folder, f"cpu_share_rank{rank}.json"), "w") as f:
+            json.dump({"cpu_share": share}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -73,6 +80,17 @@ def logs(tmp_path_factory):
 
 def oversubscribed() -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def starved(*logs, limit: float = 0.9) -> str:
+    """Which of these 1-process runs spent less than `limit` of its wall time on the CPU (other work
+    took the core from it): such a run is slower for a reason outside the run."""
+    for log in logs:
+        for p in sorted(log.parent.glob("cpu_share_rank*.json")):
+            share = json.loads(p.read_text())["cpu_share"]
+            if share < limit:
+                return f"{log.parent.name} ran on the CPU {share:.0%} of its wall time"
+    return ""
 
 
 def assert_diagnosed(rep, kind):
@@ -100,6 +118,8 @@ def test_healthy_clean_pair(logs, tmp_path):
         # other work on this machine slows one run and not the other: the tool then reports a real
         # stall, and 'healthy' is not the right answer to test for
         pytest.skip(f"CPU oversubscribed by other work (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    if why := starved(logs["clean1"], logs["clean1b"]):
+        pytest.skip(f"not like for like: {why}")
     rep = check(tmp_path, logs["clean1"], logs["clean1b"])
     assert [f["kind"] for f in rep["findings"]] == ["healthy"], rep["findings"]
     assert rep["scaling_efficiency"]["mode"] == "same_world_size"

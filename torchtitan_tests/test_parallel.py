@@ -152,6 +152,19 @@ def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
         assert model.output.weight is model.tok_embeddings.weight
 
 
+def test_selective_op_policy_saves_matmuls_and_attention():
+    """selective 'op' keeps bf16 and float8 matmul outputs and attention, recomputes the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from titanlite.parallel.parallelize import _save_matmuls_policy
+
+    aten, policy = torch.ops.aten, _save_matmuls_policy()
+    for op in (aten.mm.default, aten._scaled_mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (aten.mul.Tensor, aten.silu.default, aten.add.Tensor):
+        assert policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
+
+
 def test_bad_selective_option_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="activation_checkpoint.selective_option"):
         Trainer(load_config(base_args(tmp_path, 4, "--activation_checkpoint.mode", "selective",

@@ -73,10 +73,16 @@ def _save_matmuls_policy():
 
     aten = torch.ops.aten
     save = {aten.mm.default, aten.bmm.default, aten.addmm.default}
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-        if hasattr(aten, name):
-            save.add(getattr(aten, name).default)
+    # float8 matmuls (torchao's _scaled_mm) and the SDPA kernels; flash-attn >= 2.6 registers its
+    # forward as a torch custom op, which makes it visible here too
+    for ns, name in (("aten", "_scaled_mm"), ("aten", "_scaled_dot_product_flash_attention"),
+                     ("aten", "_scaled_dot_product_efficient_attention"),
+                     ("aten", "_scaled_dot_product_cudnn_attention"),
+                     ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("flash_attn", "_flash_attn_forward")):
+        try:
+            save.add(getattr(getattr(torch.ops, ns), name).default)
+        except (AttributeError, RuntimeError):  # not in this torch build, or the package is not installed
+            pass
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
