@@ -116,6 +116,24 @@ def test_healthy_pair_and_warmup_excluded(tmp_path):
     assert "excluded" in rep["warmup_rule"]
 
 
+def test_healthy_names_where_the_efficiency_goes(tmp_path):
+    """1 -> 2 GPUs with ddp: compute grows 10% (below the stall thresholds) while 3 ms of communication
+    is exposed. Still healthy, and the finding says compute is the largest loss, most likely the
+    overlapped all-reduce; with the same compute there is no such sentence."""
+    ph = {"data": 1.0, "compute": 800.0, "comm": 0.0, "optimizer": 100.0}
+    a = make_log(tmp_path / "a.json", 1, 901.0, phases=ph)
+    b = make_log(tmp_path / "b.json", 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
+    rep = report(tmp_path, a, b)
+    (f,) = rep["findings"]
+    assert f["kind"] == "healthy" and "The largest loss, in 2 GPUs: compute" in f["title"], f["title"]
+    loss = f["evidence"]["largest_loss"]
+    assert loss["cause"] == "overlap_contention" and loss["excess_ms_per_step"] == pytest.approx(80, abs=1)
+    assert "NCCL" in f["next_check"]
+    c = make_log(tmp_path / "c.json", 2, 904.0, phases={**ph, "comm": 3.0})
+    (f,) = report(tmp_path, a, c)["findings"]
+    assert f["kind"] == "healthy" and "largest_loss" not in f["evidence"], f["title"]
+
+
 def test_strong_scaling_efficiency(tmp_path):
     """Same global batch: 2 GPUs x accum 8 vs 4 GPUs x accum 4; ideal step halves."""
     a = make_log(tmp_path / "a.json", 2, 2000.0, accum=8)

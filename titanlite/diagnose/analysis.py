@@ -445,8 +445,54 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
         worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
         title = ("No fault found: every log is self-consistent, the runs are like for like"
                  + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
-        findings = [Finding("healthy", "info", title, {"scaling_efficiency": effs}, NEXT_CHECK["healthy"])]
+        ev, next_check = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
+        if mode != "not_comparable" and len(runs) > 1:
+            lost = largest_loss(base, runs[-1], gbps[runs[-1].label])
+            if lost:
+                title += " " + lost["text"]
+                ev["largest_loss"] = {k: v for k, v in lost.items() if k not in ("text", "next_check")}
+                next_check = lost["next_check"] or next_check
+        findings = [Finding("healthy", "info", title, ev, next_check)]
     return Analysis(runs, findings, rows, cons, scaling, gbps)
+
+
+# data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
+OVERLAPPED = {"ddp", "fsdp", "hsdp", "zero1"}
+
+
+def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict | None:
+    """Where a healthy run's lost efficiency goes: the phase of the largest run that exceeds its
+    prediction from the baseline by the most (at least `floor` of the step), in words. Compute that
+    grows while little communication is exposed, at a larger world size with collectives overlapping
+    backward, is the overlap's cost: NCCL kernels share the SMs and memory bandwidth with backward."""
+    if not (run.has_breakdown and base.has_breakdown) or run is base:
+        return None
+    pred = predicted(base, run, gbps)
+    rows = [(p, run.phase_over_ranks(p), pred[p]) for p in PHASES]
+    rows = [(p, got, want, got - want) for p, got, want in rows if got is not None and want is not None]
+    if not rows:
+        return None
+    phase, got, want, excess = max(rows, key=lambda r: r[3])
+    if excess < floor * run.step_ms:
+        return None
+    out = {"run": run.label, "phase": phase, "ms_per_step": round(got, 3), "predicted_ms_per_step": round(want, 3),
+           "excess_ms_per_step": round(excess, 3), "share_of_step": round(excess / run.step_ms, 4), "next_check": ""}
+    text = (f"The largest loss, in {run.label}: {phase} takes {got:,.1f} ms per step where the baseline predicts "
+            f"{want:,.1f} ms (+{excess:,.1f} ms, {100 * excess / run.step_ms:.0f}% of the step).")
+    comm = run.phase_over_ranks("comm")
+    mode = cfg_value(run, "data_parallel")
+    if phase == "compute" and run.world > base.world and mode in OVERLAPPED and comm is not None:
+        out["cause"] = "overlap_contention"
+        out["exposed_comm_ms_per_step"] = round(comm, 3)
+        text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
+                 f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
+        bf16 = ("--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes" if mode in ("fsdp", "hsdp") else
+                "fsdp with --parallelism.fsdp_reduce_dtype bfloat16 moves fewer gradient bytes than this fp32 all-reduce")
+        out["next_check"] = (
+            "Profile one step (--profiling.enable) and look for NCCL kernels running beside the backward GEMMs. "
+            f"To shrink the overlap's cost: {bf16}; NCCL_MAX_NCHANNELS / NCCL_MAX_CTAS cap the SMs NCCL takes.")
+    out["text"] = text
+    return out
 
 
 def merge(findings: list[Finding]) -> list[Finding]:
