@@ -3,9 +3,10 @@
 Groups (each fits one ~8-minute device call; pick with --group):
   single  1 GPU: eager, compile, compile+float8, compile+cuda_graphs
   multi   N GPUs (torchrun): ddp, fsdp, zero1 (with compile)
-  graphs  per-step losses over 20 steps, CUDA graphs (captured after 5 steps) against the same run
-          never captured (cuda_graphs_warmup past the last step: the same capturable AdamW, run eagerly),
-          so any difference after step 5 is the replay's: 1 GPU, and DDP on 2 GPUs if present
+  graphs  per-step losses over 20 steps, CUDA graphs (captured after 5 warm-up steps; 11 under DDP)
+          against the same run never captured (cuda_graphs_warmup past the last step: the same
+          capturable AdamW, run eagerly), so any difference from the capture on is the replay's:
+          1 GPU, and DDP on 2 GPUs if present
 
 Every configuration runs as its own subprocess with a timeout; a failure or a timeout becomes a row
 of the table, not a crash. Figures come from the run log's summary and iterations:

@@ -254,8 +254,11 @@ class Trainer:
                     float8_post_step(self.model, self.cfg)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
-                with warnings.catch_warnings():
-                    if skipped:  # a skipped step still uses up its lr; torch would warn of a misordered call
+                # A skipped step still uses up its lr. When it is the process's first step, torch would
+                # warn of a misordered call; the filter is scoped to that case (entering catch_warnings
+                # resets which warnings were already shown, so it is not entered on every step).
+                with warnings.catch_warnings() if skipped else contextlib.nullcontext():
+                    if skipped:
                         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
                     self.lr_scheduler.step()
         return total, grad_norm

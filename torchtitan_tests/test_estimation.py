@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -108,8 +107,17 @@ def test_cannot_fit_is_a_config_error():
     from estimation.estimate import estimate
 
     cfg = _cfg("--estimate.hardware", "a6000", "--estimate.reserved_gib", "47.5")
-    with pytest.raises(ConfigError, match="does not fit even at local batch 1"):
+    with pytest.raises(ConfigError, match=r"does not fit even at local batch 1: .* x 1\.02 \+ 47\.5 GiB reserved"):
         estimate(cfg, progress=lambda m: None)
+
+
+def test_allocator_headroom_by_mode():
+    """-1 (the default) takes the reserved/allocated headroom measured for the data-parallel mode;
+    any other value is used as given."""
+    from estimation.estimate import HEADROOM, headroom
+
+    assert headroom(-1, "none") == headroom(-1, "ddp") == 0.02 and headroom(-1, "fsdp") == HEADROOM["hsdp"] == 0.15
+    assert headroom(0.07, "fsdp") == 0.07 and headroom(0.0, "ddp") == 0.0
 
 
 def _cli(*args, tmp):
@@ -136,6 +144,7 @@ def test_cli_table_and_json(tmp_path):
     r = json.loads(out.read_text())
     m = r["memory"]
     assert sum(m["at_peak_gib"].values()) == pytest.approx(m["peak_gib"], abs=0.01)
+    assert m["allocator_headroom"] == 0.15 and "15% allocator headroom" in p.stdout  # fsdp's measured default
     assert r["config"]["gradient_accumulation_steps"] == 6  # 24 / (2 x 2 ranks)
     s = r["batch_search"]
     assert s["local_batch_for_global"] == 12 and s["gradient_accumulation_steps"] == 1  # 12 x 2 = 24

@@ -325,7 +325,9 @@ class Checkpointer:
                 group["lr"] = lr
 
     def close(self) -> None:
-        self.wait()
-        if self.stager is not None:
-            self.stager.release()
-            self.stager = None
+        try:
+            self.wait()
+        finally:  # a failed async save still releases the staging buffers
+            if self.stager is not None:
+                self.stager.release()
+                self.stager = None

@@ -181,9 +181,10 @@ class Estimate:
     search: bool = doc(True, "binary-search the largest local batch that fits (one fake step per probe)")
     max_local_batch: int = doc(512, "upper bound of that search", min=1)
     reserved_gib: float = doc(1.0, "memory outside tensors: CUDA context, cuBLAS/NCCL workspaces (GiB)", min=0.0)
-    fragmentation: float = doc(0.02, "allocator headroom: a batch fits when peak x (1 + this) + reserved_gib <= "
-                                      "the GPU's memory (with expandable_segments, run_train.sh's default, "
-                                      "reserved stays within 0.3% of allocated; use 0.05+ without it)", min=0.0)
+    fragmentation: float = doc(-1.0, "allocator headroom: a batch fits when peak x (1 + this) + reserved_gib <= the "
+                                      "GPU's memory; -1 = by mode, measured as reserved / allocated with "
+                                      "expandable_segments (run_train.sh's default): 0.02 for none/ddp/zero1, "
+                                      "0.15 for fsdp/hsdp; use 0.05+ more without expandable segments", min=-1.0)
     gemm_efficiency: float = doc(0.79, "achieved fraction of the bf16 peak in large matmuls (H100 8192^3: 781/989)",
                                  min=0.01, max=1.0)
     memory_efficiency: float = doc(0.7, "achieved fraction of HBM bandwidth in memory-bound ops", min=0.01, max=1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -47,10 +48,15 @@ def init_distributed(cfg) -> ParallelDims:
             share_one_cpu_core()
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"  # NCCL refuses two ranks on one GPU
-        if backend == "nccl" and cfg.training.cuda_graphs:
+        if backend == "nccl" and cfg.training.cuda_graphs and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
             # torch's CUDA-graph notes: collectives captured in a graph need NCCL's asynchronous error
-            # handling off (its watchdog would poll events of work that only a replay runs)
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+            # handling off. torchrun always sets it (to 1 unless told otherwise), so it is overwritten
+            # here. The cost: a hung collective then hangs instead of aborting after the timeout.
+            if rank == 0:
+                logging.getLogger("titanlite").info(
+                    "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
+                    "a hung collective will hang rather than abort)")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     mode = cfg.parallelism.data_parallel if world > 1 else "none"
     return ParallelDims(world, rank, local_rank, device, mode)
