@@ -7,8 +7,8 @@ Why the 'healthy' pair is two clean 1-process runs: on a 2-core machine shared w
 1 -> 2 process comparison is itself a compute stall whenever anything else runs, so it cannot be a
 test of 'healthy'. Nor can two clean 2-process runs: measured on the 2-vCPU CI machine, one rank's
 own work (compute, no waits) is 1.25-1.7x the other's for a whole run in about a third of such runs,
-left to the scheduler, with the ranks pinned to one core each, and with both on the same core (the two vCPUs run at unequal
-speeds, and time-sliced ranks lock into a fixed order). That rank really is slower, so 'straggler' is
+left to the scheduler, with the ranks pinned to one core each, and with both on the same core (the
+two vCPUs run at unequal speeds, and time-sliced ranks lock into a fixed order). That rank really is slower, so 'straggler' is
 the right answer there, not a false alarm. Two clean 1-process runs are like for like with no rank
 to differ: 0 findings other than 'healthy' in 24 of 24 pairs. Each run records the share of its
 wall time it spent on the CPU; a pair where other work took the core (share < 90%) is skipped.

@@ -273,17 +273,23 @@ def predicted(base: Run, run: Run, gbps: float) -> dict[str, float | None]:
     return out
 
 
-def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
+def phase_excess(base: Run, run: Run, gbps: float) -> tuple[list[tuple[str, float, float, float]], dict[str, float]]:
+    """(phase, measured, predicted, excess) in ms per step for each phase both logs have, and each
+    phase's step-to-step jitter (interquartile ranges of the two runs added)."""
     pred = predicted(base, run, gbps)
-    step = run.step_ms
-    rows = []
-    noise = {}
+    rows, noise = [], {}
     for p in PHASES:
         got, want = run.phase_over_ranks(p), pred[p]
         if got is None or want is None:
             continue
         rows.append((p, got, want, got - want))
         noise[p] = iqr(run.phase_series(p)) + iqr(base.phase_series(p))
+    return rows, noise
+
+
+def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
+    step = run.step_ms
+    rows, noise = phase_excess(base, run, gbps)
     grown = [r for r in rows if r[3] >= th.share * step and r[1] >= th.growth * r[2] and r[3] > noise[r[0]]]
     lost = step - base.step_ms * run.tokens_per_gpu_step / base.tokens_per_gpu_step
     if not grown and eff is not None and eff < th.efficiency_ok and rows and lost > run.step_jitter_ms + base.step_jitter_ms:
@@ -467,13 +473,11 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
     backward, is the overlap's cost: NCCL kernels share the SMs and memory bandwidth with backward."""
     if not (run.has_breakdown and base.has_breakdown) or run is base or run.step_ms <= 0:
         return None
-    pred = predicted(base, run, gbps)
-    rows = [(p, run.phase_over_ranks(p), pred[p]) for p in PHASES]
-    rows = [(p, got, want, got - want) for p, got, want in rows if got is not None and want is not None]
+    rows, noise = phase_excess(base, run, gbps)
     if not rows:
         return None
     phase, got, want, excess = max(rows, key=lambda r: r[3])
-    if excess < floor * run.step_ms or excess <= iqr(run.phase_series(phase)) + iqr(base.phase_series(phase)):
+    if excess < floor * run.step_ms or excess <= noise[phase]:
         return None  # too small to name, or within the step-to-step jitter
     out = {"run": run.label, "phase": phase, "ms_per_step": round(got, 3), "predicted_ms_per_step": round(want, 3),
            "excess_ms_per_step": round(excess, 3), "share_of_step": round(excess / run.step_ms, 4), "next_check": ""}
@@ -481,10 +485,11 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
             f"{want:,.1f} ms (+{excess:,.1f} ms, {100 * excess / run.step_ms:.0f}% of the step).")
     comm = run.phase_over_ranks("comm")
     mode = cfg_value(run, "data_parallel")
-    if phase == "compute" and run.world > base.world and mode in OVERLAPPED and comm is None:
+    overlapped = phase == "compute" and run.world > base.world and mode in OVERLAPPED
+    if overlapped and comm is None:
         text += (f" ({mode}'s exposed communication cannot be told apart from compute in these logs: part of "
                  f"this may be waiting for collectives.)")
-    elif phase == "compute" and run.world > base.world and mode in OVERLAPPED and comm < excess:
+    elif overlapped and comm < excess:
         out["cause"] = "overlap_contention"
         out["exposed_comm_ms_per_step"] = round(comm, 3)
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "

@@ -15,8 +15,9 @@ finishes compute at the last mark; anything after it up to the end of the comput
 wait for the data-parallel gradient reduction (DDP waits for its buckets at the end of backward).
 And a DDP-style wrapper (one holding the model as `.module`) may run its own collective before the
 model's forward (DDP's buffer broadcast; titanlite turns it off, so an early rank waits in the
-gradient reduction instead): a pre-hook on the wrapper and one on the wrapped model bracket that. So exposed comm = (wrapped forward start - wrapper forward start) + (end of
-compute phase - last gradient ready), and compute is reported without it.
+gradient reduction instead): a pre-hook on the wrapper and one on the wrapped model bracket that.
+So exposed comm = (wrapped forward start - wrapper forward start) + (end of compute phase - last
+gradient ready), and compute is reported without it.
 A `phase("comm")` region (an explicit collective outside backward) counts as comm too.
 When no hook fires (FSDP2 accumulates into unsharded copies, not the registered parameters), the
 wait cannot be separated: comm is reported as None and stays inside compute.
