@@ -15,7 +15,7 @@ tokens/s per GPU = tokens/s / GPUs, peak memory = max allocated over the run.
 
   python benchmarks/gpu_parallel.py --group single
   python benchmarks/gpu_parallel.py --group multi --ngpus 4
-  python benchmarks/gpu_parallel.py --group graphs [--flavor debug]
+  python benchmarks/gpu_parallel.py --group graphs [--flavor debug] [--ngpus 1|2] [--noise]
 """
 
 from __future__ import annotations
@@ -118,22 +118,26 @@ def compare_losses(pairs: list[tuple[dict, dict]]) -> None:
         if eager["error"] or graph["error"] or not a or len(a) != len(b):
             print(f"  not comparable: eager {eager['error'] or len(a)} / graphs {graph['error'] or len(b)}")
             continue
-        print(f"  {'step':>4} {'eager':>12} {'graphs':>12} {'rel diff':>10}")
+        label = "graphs" if "graphs" in graph["name"] else "again"
+        print(f"  {'step':>4} {'eager':>12} {label:>12} {'rel diff':>10}")
         for i, (x, y) in enumerate(zip(a, b), 1):
             print(f"  {i:>4} {x:>12.6f} {y:>12.6f} {abs(x - y) / abs(x):>10.2e}")
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
         captured = any("captured the training step" in n for n in graph["notes"])
-        print(f"  max relative difference {worst:.2e}; graph captured: {captured}")
+        print(f"  max relative difference {worst:.2e}" + (f"; graph captured: {captured}" if "graphs" in graph["name"] else ""))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", choices=["single", "multi", "graphs"], required=True)
-    ap.add_argument("--ngpus", type=int, default=0, help="multi: GPUs to use (default: all visible)")
+    ap.add_argument("--ngpus", type=int, default=0, help="multi: GPUs to use (default: all visible); graphs: only the "
+                                                         "1- or the 2-GPU comparison")
     ap.add_argument("--only", default="", help="comma-separated config names of the group to run")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per configuration")
     ap.add_argument("--flavor", default="1.36B", help="LLaMA flavor (debug: a quick functional check)")
+    ap.add_argument("--noise", action="store_true", help="graphs: also repeat the eager run, to show the run-to-run "
+                                                         "drift the graph's difference is measured against")
     a = ap.parse_args()
     MODEL[MODEL.index("--model.flavor") + 1] = a.flavor
     import torch
@@ -166,6 +170,8 @@ def main() -> None:
         # differently from the fused default from step 2 on, which would hide what replay changes.
         never_captured = ["--training.cuda_graphs", "--training.cuda_graphs_warmup", "1000"]
         for n, mode in [(1, []), (2, ["--parallelism.data_parallel", "ddp"])]:
+            if a.ngpus and n != a.ngpus:  # --ngpus 1 or 2 runs only that comparison
+                continue
             if n > visible:
                 print(f"\n(skipping the {n}-GPU comparison: {visible} GPU visible)")
                 continue
@@ -174,6 +180,10 @@ def main() -> None:
             graph = launch(f"{tag}cuda_graphs", n, mode + graph_args, 20, 1, a.timeout, folder)
             rows += [eager, graph]
             pairs.append((eager, graph))
+            if a.noise:  # the same eager run again: how far two identical runs drift apart on their own
+                again = launch(f"{tag}eager_capturable_again", n, mode + never_captured, 20, 1, a.timeout, folder)
+                rows.append(again)
+                pairs.append((eager, again))
         print_table(rows)
         compare_losses(pairs)
 

@@ -91,10 +91,17 @@ def _ddp_without_shape_check():
 
 def _allreduce_hook(state, bucket):
     """DDP's built-in hook waits on a future the fake process group leaves empty; this one does the
-    same in-place bucket all-reduce (so it is seen and timed) and hands the bucket back."""
+    same bucket all-reduce in the configured dtype (so it is seen and timed, at its real size) and hands
+    the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
+    is labelled a communication buffer here."""
+    dtype, tracker = state
     buf = bucket.buffer()
-    dist.all_reduce(buf)
-    buf.div_(dist.get_world_size())
+    tracker.label([buf], "comm_buffers")
+    reduced = buf.to(dtype)
+    dist.all_reduce(reduced)
+    reduced.div_(dist.get_world_size())
+    if reduced is not buf:
+        buf.copy_(reduced)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -145,7 +152,7 @@ class FakeRun:
             mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
 
         with torch.device("meta"):
-            model = build_model(self.args, attention_backend, self.seq_len)
+            model = build_model(self.args, attention_backend, self.seq_len, run_cfg.training.loss_chunk_tokens)
         if run_cfg.float8.enable:
             apply_float8(model, run_cfg, self.gpu_dims)
         if run_cfg.activation_checkpoint.mode != "none":
@@ -163,9 +170,12 @@ class FakeRun:
 
                 model = _fsdp(model, run_cfg, self.gpu_dims, mesh)
             elif self.mode in ("ddp", "zero1"):
+                reduce_dtype = getattr(torch, run_cfg.parallelism.ddp_reduce_dtype)
+                wrap_cfg = copy.deepcopy(run_cfg)
+                wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype
                 with _ddp_without_shape_check():
-                    model = apply_ddp(model, run_cfg, self.dims)
-                model.register_comm_hook(None, _allreduce_hook)
+                    model = apply_ddp(model, wrap_cfg, self.dims)
+                model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
                 model.reducer = _NoBucketRebuild(model.reducer)
             from titanlite.optim import build_optimizer
 

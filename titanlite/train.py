@@ -104,7 +104,8 @@ class Trainer:
         # Build on meta (no memory); parallelize applies float8 -> AC -> compile, materialises and
         # initialises the full weights identically on every rank, then wraps for data parallelism.
         with torch.device("meta"):
-            model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len)
+            model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len,
+                                cfg.training.loss_chunk_tokens)
         model = parallelize(model, cfg, self.dims)
         self.model = model
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)

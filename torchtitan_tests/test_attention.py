@@ -59,7 +59,17 @@ def test_gpu_backends_match_manual(name, hkv):
     if not A.BACKENDS[name].available(device):
         pytest.skip(f"{name} is not available here")
     q, k, v = qkv(b=2, s=256, hq=8, hkv=hkv, d=64, dtype=torch.bfloat16, device="cuda")
-    assert_matches_manual(name, q, k, v, atol=3e-2, rtol=3e-2)
+    # The yardstick is the error bf16 costs anyway: `manual` run in bf16 against `manual` in fp32 on
+    # the same inputs. (A fixed tolerance against bf16 `manual` failed on 1 gradient element of 65536,
+    # where the three fused kernels agreed with each other and bf16 `manual` was the one off.)
+    manual = A.build_attention("manual")
+    ref = fwd_bwd(manual, *(t.detach().float() for t in (q, k, v)))
+    low = fwd_bwd(manual, q, k, v)
+    got = fwd_bwd(A.build_attention(name), q, k, v)
+    for what, x, lo, r in zip(["out", "dq", "dk", "dv"], [got[0], *got[1]], [low[0], *low[1]], [ref[0], *ref[1]]):
+        assert x.shape == r.shape
+        err, bf16_err = (x - r).abs().max().item(), (lo - r).abs().max().item()
+        assert err <= 3 * bf16_err + 1e-3, f"{name} {what}: max error {err:.3g} vs bf16 manual's {bf16_err:.3g}"
 
 
 # ----------------------------------------------------------------------------------- fallback chain

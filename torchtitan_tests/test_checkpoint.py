@@ -108,8 +108,9 @@ def test_async_save_resumes_exactly(base, tmp_path):
 
 def test_reused_stager_survives_dcp_closing_it(base, tmp_path, monkeypatch):
     """async_with_pinned_mem stages every save through one DefaultStager (pinned buffers on CUDA).
-    torch 2.11's async_save closes the stager it is given when the write is done; the next save must
-    still work (it failed with KeyError: <class 'type'>), and the run resumes bit for bit."""
+    torch 2.11 closes the inner StateDictStager after each stage, and some versions close the stager
+    given to async_save once the write is done; the next save must still work (on the H200 it failed
+    with KeyError: <class 'type'>), and the run resumes bit for bit."""
     import torch.distributed.checkpoint as dcp
 
     real, closed = dcp.async_save, []
@@ -118,6 +119,7 @@ def test_reused_stager_survives_dcp_closing_it(base, tmp_path, monkeypatch):
         fut = real(state, **kw)
         stager = kw.get("async_stager")
         assert stager is not None, "async_with_pinned_mem saved without its stager"
+        stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does after staging
         fut.add_done_callback(lambda _: (stager.close(), closed.append(1)))
         return fut
 

@@ -147,14 +147,27 @@ class Checkpointer:
             return None
 
         class KeptStager(DefaultStager):
-            """torch 2.11's async_save closes the stager it is given once the write is done, which
-            empties its deep-copy table: the next save then fails with `KeyError: <class 'type'>`.
-            Only the Checkpointer closes this one, at the end of training."""
+            """Kept open from save to save; only the Checkpointer closes it, at the end of training.
+
+            torch closes the inner StateDictStager after every stage (2.11: at the end of
+            `DefaultStager._stage`), and some versions close the stager given to async_save once the
+            write is done. Either empties its deep-copy table, so the next save of a state holding a
+            class object fails with `KeyError: <class 'type'>`, and drops the cached host buffers this
+            mode exists to reuse. Both closes are no-ops here until `release()`."""
+
+            def __init__(self, options):
+                super().__init__(options)
+                inner = getattr(self, "_state_dict_stager", None)
+                self._inner_close = getattr(inner, "close", None)
+                if self._inner_close is not None:
+                    inner.close = lambda: None  # shadows the method on this instance only
 
             def close(self) -> None:
                 pass
 
             def release(self) -> None:
+                if self._inner_close is not None:
+                    self._state_dict_stager.close = self._inner_close
                 super().close()
 
         cuda = torch.cuda.is_available()

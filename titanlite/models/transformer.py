@@ -97,10 +97,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, attention_backend: str = "manual", max_seq_len: int = 2048):
+    def __init__(self, args: ModelArgs, attention_backend: str = "manual", max_seq_len: int = 2048,
+                 loss_chunk_tokens: int = 2048):
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
-        self.loss_chunk_tokens = 4096  # tokens per logits chunk in forward(tokens, labels)
+        self.loss_chunk_tokens = loss_chunk_tokens  # tokens per logits chunk in forward(tokens, labels)
         self.compile_loss = False  # set by titanlite.parallel.apply_compile
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps FQNs stable when blocks are wrapped or compiled.
