@@ -57,6 +57,8 @@ SUITES = {
                                          "--compile.enable"],
     },
     "knobs": {  # the data-parallel settings that trade bytes or SMs for overlap (weak-scaling study)
+        "ddp bucket_view=false": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
+                                  "ddp", "--parallelism.ddp_bucket_view=false"],
         "ddp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "ddp",
                             "--parallelism.ddp_reduce_dtype", "bfloat16"],
         "fsdp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",

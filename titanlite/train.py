@@ -402,6 +402,8 @@ class Trainer:
 
     def close(self):
         self.preemption.restore()
+        if self.cuda_graph is not None:
+            self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
         self.checkpointer.close()  # waits for an async save in flight
         if dist.is_initialized():
             dist.destroy_process_group()

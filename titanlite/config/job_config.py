@@ -99,6 +99,8 @@ class Parallelism:
                                     "one replica per node, sharded over its GPUs)", min=-1)
     shard_degree: int = doc(-1, "hsdp: shards per replica, the inner mesh dim (-1 = world / replicate_degree)", min=-1)
     ddp_bucket_cap_mb: int = doc(100, "ddp/zero1: gradient bucket size in MB", min=1)
+    ddp_bucket_view: bool = doc(True, "ddp/zero1: gradients are views into DDP's reduce buckets (no copy of every "
+                                      "gradient into its bucket and back each step, and no second gradient-sized buffer)")
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (torch's bf16 compression "
                    "hook: cast, all-reduce, average, cast back)")

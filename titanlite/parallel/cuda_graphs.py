@@ -130,6 +130,15 @@ class CudaGraphStep:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def release(self) -> None:
+        """Free the captured graph. Call before destroy_process_group: a live graph holding NCCL
+        kernels makes the communicator's destruction hang (pytorch/pytorch#115388; seen here as a
+        DDP run that finished its steps and never exited)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+        self.graph, self.static_out, self.static_batches = None, None, []
+
     def step(self, batches) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run one captured step on `batches`; None when capture failed (then run them eagerly)."""
         if self.graph is None:

@@ -27,7 +27,8 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     # broadcast_buffers=False: the only buffers are RoPE tables, computed identically on every rank and
     # never updated; the default would broadcast them before every forward (a collective per micro-step)
     wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
-                                           broadcast_buffers=False)
+                                           broadcast_buffers=False,
+                                           gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view)
     if cfg.training.cuda_graphs and dims.device.type == "cuda":
         # A backward captured in a CUDA graph needs DDP built on a side stream (torch's CUDA-graph notes).
         with torch.cuda.stream(torch.cuda.Stream(dims.device)):
