@@ -85,6 +85,8 @@ class StepTracker(TorchDispatchMode):
         self.work: dict[str, PhaseWork] = defaultdict(PhaseWork)
         self.count_work = True
         self._orig_resize = None
+        self._orig_meta_prop = None
+        self._meta_prop_depth = 0  # > 0: inside DTensor's sharding propagation, not part of the step
 
     # ------------------------------------------------------------------------------ memory
     def _add(self, st, category: str) -> _Block:
@@ -144,17 +146,39 @@ class StepTracker(TorchDispatchMode):
         self._update_peak()
 
     def __enter__(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         self._orig_resize = torch.UntypedStorage.resize_
         torch.UntypedStorage.resize_ = lambda st, size: self._resize(st, size)
+        # DTensor works out an op's output shape by running it on global-shape empty_strided stand-ins
+        # in the fake mode (uncached whenever a fake mode is on, which torch 2.11 then does on every
+        # call, e.g. _fused_adamw_ on all parameters, grads and moments: 4x the full fp32 model).
+        # Those tensors never exist on the GPU: neither their memory nor their work counts.
+        self._orig_meta_prop = orig = ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def meta_prop(prop, op_schema):
+            tracker._meta_prop_depth += 1
+            try:
+                return orig(prop, op_schema)
+            finally:
+                tracker._meta_prop_depth -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = meta_prop
         return super().__enter__()
 
     def __exit__(self, *exc):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         torch.UntypedStorage.resize_ = self._orig_resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_meta_prop
         return super().__exit__(*exc)
 
     # ------------------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._meta_prop_depth:
+            return func(*args, **kwargs)
         # Let tensor subclasses (DTensor, float8) desugar first: their local ops come back here.
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -400,12 +401,12 @@ class Trainer:
             out["peak_memory_gb"] = max(e["memory_peak_gb"] for e in it)
         return out
 
-    def close(self):
+    def close(self, destroy_process_group: bool = True):
         self.preemption.restore()
         if self.cuda_graph is not None:
             self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
         self.checkpointer.close()  # waits for an async save in flight
-        if dist.is_initialized():
+        if destroy_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -435,13 +436,22 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cfg = load_config(argv)
     trainer = Trainer(cfg)
+    code = 0
     try:
         trainer.train()
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+        code = 3
     finally:
-        trainer.close()
+        trainer.close(destroy_process_group=False)
+        # The DDP wrapper goes before its process group: one that outlives it can hang its rank
+        # while the process exits (seen on gloo with 2 and 4 ranks).
+        del trainer
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
