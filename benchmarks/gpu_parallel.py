@@ -164,6 +164,8 @@ def main() -> None:
                 print(f"  done {name} in {rows[-1]['wall_s']:.0f}s: {rows[-1]['error'] or 'ok'}", flush=True)
         print_table(rows)
     else:
+        if a.ngpus not in (0, 1, 2):
+            sys.exit("error: --group graphs compares on 1 or 2 GPUs: --ngpus 1 or 2 (or leave it out for both)")
         pairs = []
         graph_args = ["--training.cuda_graphs", "--training.cuda_graphs_warmup", "5"]
         # The reference is not plain eager: capturable AdamW (device-side lr and step) rounds

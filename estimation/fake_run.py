@@ -97,7 +97,7 @@ def _allreduce_hook(state, bucket):
     dtype, tracker = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
-    reduced = buf.to(dtype)
+    reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
     dist.all_reduce(reduced)
     reduced.div_(dist.get_world_size())
     if reduced is not buf:

@@ -73,6 +73,15 @@ class PhaseWork:
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
 
 
+def _sharding_propagator():
+    """DTensor's ShardingPropagator class, or None where torch has no distributed tensors."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:
+        return None
+    return ShardingPropagator
+
+
 class StepTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -146,32 +155,32 @@ class StepTracker(TorchDispatchMode):
         self._update_peak()
 
     def __enter__(self):
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
         self._orig_resize = torch.UntypedStorage.resize_
         torch.UntypedStorage.resize_ = lambda st, size: self._resize(st, size)
         # DTensor works out an op's output shape by running it on global-shape empty_strided stand-ins
         # in the fake mode (uncached whenever a fake mode is on, which torch 2.11 then does on every
         # call, e.g. _fused_adamw_ on all parameters, grads and moments: 4x the full fp32 model).
-        # Those tensors never exist on the GPU: neither their memory nor their work counts.
-        self._orig_meta_prop = orig = ShardingPropagator._propagate_tensor_meta_non_cached
-        tracker = self
+        # Those tensors never exist on the GPU: neither their memory nor their work counts. (A private
+        # torch API: where it is absent, nothing is patched.)
+        prop = _sharding_propagator()
+        self._orig_meta_prop = orig = getattr(prop, "_propagate_tensor_meta_non_cached", None)
+        if orig is not None:
+            tracker = self
 
-        def meta_prop(prop, op_schema):
-            tracker._meta_prop_depth += 1
-            try:
-                return orig(prop, op_schema)
-            finally:
-                tracker._meta_prop_depth -= 1
+            def meta_prop(propagator, op_schema):
+                tracker._meta_prop_depth += 1
+                try:
+                    return orig(propagator, op_schema)
+                finally:
+                    tracker._meta_prop_depth -= 1
 
-        ShardingPropagator._propagate_tensor_meta_non_cached = meta_prop
+            prop._propagate_tensor_meta_non_cached = meta_prop
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
         torch.UntypedStorage.resize_ = self._orig_resize
-        ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_meta_prop
+        if self._orig_meta_prop is not None:
+            _sharding_propagator()._propagate_tensor_meta_non_cached = self._orig_meta_prop
         return super().__exit__(*exc)
 
     # ------------------------------------------------------------------------------ dispatch

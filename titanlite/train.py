@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -436,22 +437,29 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cfg = load_config(argv)
     trainer = Trainer(cfg)
-    code = 0
+    failure = None  # raised once the Trainer is gone
     try:
         trainer.train()
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
-        code = 3
-    finally:
+        failure = SystemExit(3)
+    except BaseException as e:
+        failure = e
+        if not isinstance(e, (ConfigError, SystemExit)):
+            traceback.print_exc()  # shown now: its frames hold the Trainer, so it is dropped below
+            failure = SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
+        e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
+    try:
         trainer.close(destroy_process_group=False)
+    finally:
         # The DDP wrapper goes before its process group: one that outlives it can hang its rank
         # while the process exits (seen on gloo with 2 and 4 ranks).
         del trainer
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-    if code:
-        sys.exit(code)
+    if failure is not None:
+        raise failure
 
 
 if __name__ == "__main__":

@@ -74,9 +74,10 @@ def test_dtensor_shape_propagation_is_not_counted(monkeypatch):
     model), which made the 2-GPU fsdp estimate 28.9 GiB against 21.9 measured. Whatever runs inside
     that propagation must count neither as memory nor as work: here it also allocates 1 GiB each time.
 
-    DTensor caches propagation per op schema, so only a first sighting propagates: the vocabulary
-    (2999, used by no other test) makes the first warm-up step below see new shapes; the second
-    sees the same ones, cached, and is the reference."""
+    torch 2.13 caches propagation per op schema, so there only a first sighting propagates: the
+    vocabulary (2999, used by no other test) makes the first warm-up step below see new shapes.
+    The second run is the reference (cached on 2.13; on 2.11 it propagates too, and the 1 GiB
+    bound catches a tracker that counts it)."""
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     from estimation.fake_run import FakeRun
@@ -98,7 +99,7 @@ def test_dtensor_shape_propagation_is_not_counted(monkeypatch):
         run.close()
         peaks.append((run.tracker.peak, len(calls)))  # the warm-up step's peak
     (first, n_first), (second, n_second) = peaks
-    assert n_first > 0 and n_second == 0  # the first propagated shapes (else this test could not fail)
+    assert n_first > 0  # shapes were propagated (else this test could not fail)
     assert first == second < 2**28
 
 

@@ -263,6 +263,9 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
     with pytest.raises(ConfigError, match="zero1"):
         check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="zero1"))
     check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="ddp"))  # allowed
+    with pytest.raises(ConfigError, match="ddp_reduce_dtype=bfloat16: the bf16 hook"):
+        check_cuda_graphs(load_config(["--training.cuda_graphs", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
+                          SimpleNamespace(world_size=2, mode="ddp"))
     with pytest.raises(ConfigError, match="on_nan=stop"):
         check_cuda_graphs(load_config(["--training.cuda_graphs", "--training.on_nan", "skip"]),
                           SimpleNamespace(world_size=1, mode="none"))

@@ -138,3 +138,34 @@ def test_nan_stop_writes_no_checkpoint_of_nan_weights(tmp_cache):
                         "--job.dump_folder", str(tmp_cache)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 3 and "non-finite at step" in r.stderr
     assert not list((tmp_cache / "checkpoint").glob("step-*"))
+
+
+@pytest.mark.parametrize("error,code", [(RuntimeError("boom"), 1), (KeyboardInterrupt(), 130)])
+def test_failed_run_frees_the_trainer_before_the_process_group(tmp_cache, monkeypatch, capsys, error, code):
+    """A DDP wrapper that outlives destroy_process_group can hang its rank at exit. After a crash the
+    traceback holds train()'s frames, so main() must still get rid of the Trainer before the teardown,
+    and exit with a code (1; 130 for Ctrl-C) after printing the traceback."""
+    import weakref
+
+    import titanlite.train as T
+
+    trainers, seen = [], []
+    init = T.Trainer.__init__
+
+    def tracked_init(self, cfg):
+        init(self, cfg)
+        trainers.append(weakref.ref(self))
+
+    def crash(self):
+        raise error
+
+    monkeypatch.setattr(T.Trainer, "__init__", tracked_init)
+    monkeypatch.setattr(T.Trainer, "train", crash)
+    monkeypatch.setattr(T.dist, "is_initialized", lambda: True)  # as under torchrun
+    monkeypatch.setattr(T.dist, "destroy_process_group", lambda: seen.append(trainers[0]() is None))
+    with pytest.raises(SystemExit) as exit_info:
+        T.main(["--training.steps", "2", "--training.seq_len", "32", "--training.dataset", "synthetic",
+                "--data.num_workers", "0", "--metrics.progress_bar=false", "--job.dump_folder", str(tmp_cache)])
+    assert exit_info.value.code == code
+    assert seen == [True]  # torn down once, with the Trainer already gone
+    assert type(error).__name__ in capsys.readouterr().err  # the traceback was shown

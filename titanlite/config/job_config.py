@@ -77,7 +77,7 @@ class Training:
         "chunked", "chunked: linear + cross-entropy in token chunks, never materialising fp32 logits "
                    "(less memory and traffic); cross_entropy: logits, then torch's fp32 cross-entropy")
     loss_chunk_tokens: int = doc(2048, "loss=chunked: tokens per logits chunk; the chunk's logits and their gradient "
-                                       "are the peak's temporaries (2048 x vocab 32000: 0.25 GiB in bf16 each)", min=1)
+                                       "are the peak's temporaries (2048 x vocab 32000: 0.12 GiB per bf16 buffer)", min=1)
     cuda_graphs: bool = doc(False, "capture the whole training step as a CUDA graph after warm-up (seed: use_cuda_graphs)")
     cuda_graphs_warmup: int = doc(10, "eager steps before capture", min=1)
 
@@ -99,11 +99,11 @@ class Parallelism:
                                     "one replica per node, sharded over its GPUs)", min=-1)
     shard_degree: int = doc(-1, "hsdp: shards per replica, the inner mesh dim (-1 = world / replicate_degree)", min=-1)
     ddp_bucket_cap_mb: int = doc(100, "ddp/zero1: gradient bucket size in MB", min=1)
-    ddp_bucket_view: bool = doc(True, "ddp/zero1: gradients are views into DDP's reduce buckets (no copy of every "
-                                      "gradient into its bucket and back each step, and no second gradient-sized buffer)")
+    ddp_bucket_view: bool = doc(True, "ddp/zero1: gradients become views into DDP's reduce buckets, so the reduced "
+                                      "bucket is the gradient (no copy back out after each all-reduce)")
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
-        "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (torch's bf16 compression "
-                   "hook: cast, all-reduce, average, cast back)")
+        "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (a comm hook: cast to bf16, "
+                   "divide by the ranks, all-reduce, copy back into the fp32 bucket)")
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
         "default", "fsdp: free gathered params after forward (default = all but the root)")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")

@@ -84,7 +84,7 @@ def _chunked_loss_only(hidden, weight, labels, chunk_tokens: int, compute_dtype)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 chunk_tokens: int = 4096, compiled: bool = False) -> torch.Tensor:
+                                 chunk_tokens: int = 2048, compiled: bool = False) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against labels, computed in token chunks.
 
     hidden: (B, S, D) final-norm hidden states; weight: (V, D) output projection; labels: (B, S).

@@ -45,6 +45,10 @@ def check_cuda_graphs(cfg, dims) -> None:
     """Refuse, with the reason, the combinations a captured step cannot run correctly."""
     if dims.world_size > 1 and dims.mode in UNSUPPORTED:
         raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={dims.mode}: {UNSUPPORTED[dims.mode]}")
+    if dims.world_size > 1 and dims.mode == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
+        raise ConfigError("training.cuda_graphs with parallelism.ddp_reduce_dtype=bfloat16: the bf16 hook copies the "
+                          "reduced bucket back in a host-side future callback, which a replayed graph would not "
+                          "run; use float32 (the default)")
     if cfg.training.on_nan == "skip":
         raise ConfigError("training.cuda_graphs needs training.on_nan=stop: a captured step cannot decide on the "
                           "host to skip its optimizer update")
