@@ -23,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
-from titanlite.parallel.data_parallel import apply_ddp, hsdp_shape
+from titanlite.config.manager import hsdp_shape
+from titanlite.parallel.data_parallel import apply_ddp
 from titanlite.parallel.parallelize import apply_ac, apply_float8
 
 from estimation.tracker import StepTracker

@@ -402,13 +402,13 @@ class Trainer:
             out["peak_memory_gb"] = max(e["memory_peak_gb"] for e in it)
         return out
 
-    def close(self, destroy_process_group: bool = True):
+    def close(self):
+        """Release what the run holds. The process group is left to the caller (`main`), which
+        destroys it only once the Trainer and its DDP wrapper are gone."""
         self.preemption.restore()
         if self.cuda_graph is not None:
             self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
         self.checkpointer.close()  # waits for an async save in flight
-        if destroy_process_group and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def memory_stats(device: torch.device) -> dict:
@@ -450,7 +450,7 @@ def main(argv: list[str]) -> None:
             failure = SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
         e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
     try:
-        trainer.close(destroy_process_group=False)
+        trainer.close()
     finally:
         # The DDP wrapper goes before its process group: one that outlives it can hang its rank
         # while the process exits (seen on gloo with 2 and 4 ranks).

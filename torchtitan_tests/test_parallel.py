@@ -8,6 +8,8 @@ mode must then give the single process's per-step losses (within 1e-5 relative).
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.multiprocessing as mp
 from titanlite.config import ConfigError, load_config
 from titanlite.train import Trainer
 
-from conftest import free_port
+from conftest import ROOT, free_port
 
 STEPS = 8
 
@@ -181,7 +183,7 @@ def test_bad_selective_option_is_a_config_error(tmp_path):
 
 def test_hsdp_degrees_must_cover_the_world(monkeypatch):
 
-    from titanlite.parallel.data_parallel import hsdp_shape
+    from titanlite.config.manager import hsdp_shape
 
     cfg = load_config(["--parallelism.replicate_degree", "3"])
     with pytest.raises(ConfigError, match=r"replicate_degree \(3\) x parallelism.shard_degree"):
@@ -253,19 +255,21 @@ def test_forced_capture_failure_falls_back_cleanly(reference, tmp_path, caplog, 
 
 
 def test_cuda_graphs_refuse_fsdp_naming_why():
-    from types import SimpleNamespace
+    from titanlite.config.manager import CUDA_GRAPHS_UNSUPPORTED, check_cuda_graphs
 
-    from titanlite.parallel.cuda_graphs import check_cuda_graphs
-
-    cfg = load_config(["--training.cuda_graphs"])
+    graphs = lambda *extra: load_config(["--training.cuda_graphs", *extra])
     with pytest.raises(ConfigError, match="data_parallel=fsdp: FSDP2 allocates and frees"):
-        check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="fsdp"))
+        check_cuda_graphs(graphs("--parallelism.data_parallel", "fsdp"), 2)
     with pytest.raises(ConfigError, match="zero1"):
-        check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="zero1"))
-    check_cuda_graphs(cfg, SimpleNamespace(world_size=2, mode="ddp"))  # allowed
+        check_cuda_graphs(graphs("--parallelism.data_parallel", "zero1"), 2)
+    check_cuda_graphs(graphs("--parallelism.data_parallel", "ddp"), 2)  # allowed
     with pytest.raises(ConfigError, match="ddp_reduce_dtype=bfloat16: the bf16 hook"):
-        check_cuda_graphs(load_config(["--training.cuda_graphs", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
-                          SimpleNamespace(world_size=2, mode="ddp"))
+        check_cuda_graphs(graphs("--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"), 2)
     with pytest.raises(ConfigError, match="on_nan=stop"):
-        check_cuda_graphs(load_config(["--training.cuda_graphs", "--training.on_nan", "skip"]),
-                          SimpleNamespace(world_size=1, mode="none"))
+        check_cuda_graphs(graphs("--training.on_nan", "skip"), 1)
+    # run_train.sh's pre-flight check refuses them before torchrun: one line, exit 2, no worker traceback
+    r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2", "--training.cuda_graphs",
+                        "--parallelism.data_parallel", "fsdp"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + CUDA_GRAPHS_UNSUPPORTED["fsdp"]]

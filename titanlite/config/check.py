@@ -6,7 +6,7 @@ and every error is one line with exit code 2.
 
 import sys
 
-from titanlite.config.manager import ConfigError, check_world_size, load_config, resolve_batch, run_cli
+from titanlite.config.manager import ConfigError, check_combination, load_config, resolve_batch, run_cli
 
 
 def main(argv: list[str]) -> None:
@@ -17,7 +17,7 @@ def main(argv: list[str]) -> None:
         world, argv = int(argv[1]), argv[2:]
     cfg = load_config(argv)
     resolve_batch(cfg, world)
-    check_world_size(cfg, world)
+    check_combination(cfg, world)
 
 
 if __name__ == "__main__":

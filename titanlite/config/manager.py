@@ -223,6 +223,59 @@ def check_world_size(cfg: JobConfig, world: int) -> None:
                           f"choose ddp, zero1, fsdp or hsdp (or run one process)")
 
 
+def hsdp_shape(cfg, world: int) -> tuple[int, int]:
+    """(replicate, shard) degrees of the hsdp mesh; their product must be the world size."""
+    p = cfg.parallelism
+    rep, shard = p.replicate_degree, p.shard_degree
+    if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
+        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if rep == -1:
+        rep = max(1, world // shard)
+    if shard == -1:
+        shard = max(1, world // rep)
+    if rep * shard != world:
+        raise ConfigError(f"parallelism.replicate_degree ({rep}) x parallelism.shard_degree ({shard}) "
+                          f"must equal the world size ({world})")
+    return rep, shard
+
+
+
+# Modes a captured step cannot serve, with the reason given to the user.
+CUDA_GRAPHS_UNSUPPORTED = {
+    "fsdp": "FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
+            "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
+    "hsdp": "HSDP is FSDP2 underneath: it allocates and frees gathered parameters every step and syncs "
+            "streams from the host, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
+    "zero1": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping and has no "
+             "capturable mode; use ddp (or no cuda_graphs)",
+}
+
+
+def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
+    """Refuse, with the reason, the combinations a captured step cannot run correctly."""
+    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    if mode in CUDA_GRAPHS_UNSUPPORTED:
+        raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={mode}: "
+                          f"{CUDA_GRAPHS_UNSUPPORTED[mode]}")
+    if mode == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
+        raise ConfigError("training.cuda_graphs with parallelism.ddp_reduce_dtype=bfloat16: the bf16 hook copies the "
+                          "reduced bucket back in a host-side future callback, which a replayed graph would not "
+                          "run; use float32 (the default)")
+    if cfg.training.on_nan == "skip":
+        raise ConfigError("training.cuda_graphs needs training.on_nan=stop: a captured step cannot decide on the "
+                          "host to skip its optimizer update")
+
+
+def check_combination(cfg: JobConfig, world: int) -> None:
+    """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
+    `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
+    check_world_size(cfg, world)
+    if world > 1 and cfg.parallelism.data_parallel == "hsdp":
+        hsdp_shape(cfg, world)
+    if cfg.training.cuda_graphs:
+        check_cuda_graphs(cfg, world)
+
+
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 

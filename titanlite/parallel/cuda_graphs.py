@@ -24,34 +24,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titanlite.config import ConfigError
 from titanlite.parallel.data_parallel import clip_grad_norm, grad_sync
 
 logger = logging.getLogger("titanlite")
 
-# Modes a captured step cannot serve, with the reason given to the user.
-UNSUPPORTED = {
-    "fsdp": "FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
-            "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
-    "hsdp": "HSDP is FSDP2 underneath: it allocates and frees gathered parameters every step and syncs "
-            "streams from the host, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
-    "zero1": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping and has no "
-             "capturable mode; use ddp (or no cuda_graphs)",
-}
 DDP_MIN_WARMUP = 11  # DDP settles its buckets during the first eager iterations (torch's CUDA-graph notes)
-
-
-def check_cuda_graphs(cfg, dims) -> None:
-    """Refuse, with the reason, the combinations a captured step cannot run correctly."""
-    if dims.world_size > 1 and dims.mode in UNSUPPORTED:
-        raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={dims.mode}: {UNSUPPORTED[dims.mode]}")
-    if dims.world_size > 1 and dims.mode == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
-        raise ConfigError("training.cuda_graphs with parallelism.ddp_reduce_dtype=bfloat16: the bf16 hook copies the "
-                          "reduced bucket back in a host-side future callback, which a replayed graph would not "
-                          "run; use float32 (the default)")
-    if cfg.training.on_nan == "skip":
-        raise ConfigError("training.cuda_graphs needs training.on_nan=stop: a captured step cannot decide on the "
-                          "host to skip its optimizer update")
 
 
 class CudaGraphStep:
@@ -137,7 +114,7 @@ class CudaGraphStep:
     def release(self) -> None:
         """Free the captured graph. Call before destroy_process_group: a live graph holding NCCL
         kernels makes the communicator's destruction hang (pytorch/pytorch#115388; seen here as a
-        DDP run that finished its steps and never exited)."""
+        captured DDP run on 2 GPUs that did not exit within its timeout)."""
         if self.graph is not None:
             torch.cuda.synchronize(self.device)
             self.graph.reset()

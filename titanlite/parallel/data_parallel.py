@@ -10,12 +10,11 @@ the same update in every mode.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn as nn
 
-from titanlite.config import ConfigError
+from titanlite.config.manager import hsdp_shape
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -55,22 +54,6 @@ def bf16_allreduce_hook(group, bucket):
         return buf
 
     return fut.then(unpack)
-
-
-def hsdp_shape(cfg, world: int) -> tuple[int, int]:
-    """(replicate, shard) degrees of the hsdp mesh; their product must be the world size."""
-    p = cfg.parallelism
-    rep, shard = p.replicate_degree, p.shard_degree
-    if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
-        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if rep == -1:
-        rep = max(1, world // shard)
-    if shard == -1:
-        shard = max(1, world // rep)
-    if rep * shard != world:
-        raise ConfigError(f"parallelism.replicate_degree ({rep}) x parallelism.shard_degree ({shard}) "
-                          f"must equal the world size ({world})")
-    return rep, shard
 
 
 def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
-from titanlite.config.manager import check_world_size
+from titanlite.config.manager import check_combination
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 
 
@@ -132,22 +132,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.init_weights(buffer_device=device)
 
 
-def check_combination(cfg, dims) -> None:
-    """Combinations that cannot work, refused at start-up with the reason."""
-    check_world_size(cfg, dims.world_size)
-    if dims.mode == "hsdp":
-        from titanlite.parallel.data_parallel import hsdp_shape
-
-        hsdp_shape(cfg, dims.world_size)
-    if cfg.training.cuda_graphs:
-        from titanlite.parallel.cuda_graphs import check_cuda_graphs
-
-        check_cuda_graphs(cfg, dims)
-
-
 def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
     """Take the meta-device model spec; return the materialised, initialised, wrapped model."""
-    check_combination(cfg, dims)
+    check_combination(cfg, dims.world_size)
     if cfg.float8.enable:
         apply_float8(model, cfg, dims)
     if cfg.activation_checkpoint.mode != "none":
