@@ -39,6 +39,9 @@ SUITES = {
         "compile loss_chunk=1024": ["--training.local_batch_size", "4", "--compile.enable",
                                     "--training.loss_chunk_tokens", "1024"],
         "compile+float8": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable"],
+        "compile bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--training.bf16_params"],
+        "compile+float8 bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable",
+                                       "--training.bf16_params"],
         "compile+cuda_graphs": ["--training.local_batch_size", "4", "--compile.enable", "--training.cuda_graphs"],
     },
     "best": {
@@ -59,6 +62,8 @@ SUITES = {
     "knobs": {  # the data-parallel settings that trade bytes or SMs for overlap (weak-scaling study)
         "ddp bucket_view=false": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
                                   "ddp", "--parallelism.ddp_bucket_view=false"],
+        "ddp bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
+                            "ddp", "--training.bf16_params"],
         "ddp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "ddp",
                             "--parallelism.ddp_reduce_dtype", "bfloat16"],
         "fsdp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",

@@ -21,6 +21,8 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda" if o.fused == "auto" else o.fused == "true"
+    if cfg.training.bf16_params:
+        return MasterAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, compiled=fused)
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if cfg.training.cuda_graphs and device.type == "cuda":
         kw.update(lr=torch.tensor(o.lr, device=device), capturable=True)
@@ -29,6 +31,116 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(groups, **kw)
+
+
+def _master_adamw_step(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, wds,
+                       beta1: float, beta2: float, eps: float, grad_scale, skip) -> None:
+    """AdamW on fp32 master weights, writing each low-precision parameter from its master.
+
+    Compiled, every parameter's update is one kernel: it reads the bf16 gradient, the master and both
+    moments and writes the master, the moments and the bf16 parameter (28 bytes per parameter, as
+    many as torch's fused AdamW on fp32 parameters moves). `grad_scale` divides the gradients (the
+    grad-norm clip); where `skip` is 1 nothing changes, the step counter included (no host sync).
+    The formula is torch.optim.AdamW's.
+    """
+    keep = skip > 0
+    step = torch.where(keep, steps[0], steps[0] + 1)
+    bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
+    for p, g, w, m, v, s, lr, wd in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, wds):
+        g = g.float() / grad_scale
+        m_new = m.lerp(g, 1 - beta1)
+        v_new = v * beta2 + (1 - beta2) * g * g
+        w_new = torch.where(keep, w, w * (1 - lr * wd) - (lr / bias1) * m_new / (v_new.sqrt() / bias2_sqrt + eps))
+        m.copy_(torch.where(keep, m, m_new))
+        v.copy_(torch.where(keep, v, v_new))
+        w.copy_(w_new)
+        p.copy_(w_new)
+        s.copy_(step)
+
+
+_compiled_master_step = None
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW for low-precision (bf16) parameters with fp32 master weights (training.bf16_params).
+
+    The model then computes in bf16 with no autocast, so the per-step casts of every weight to bf16
+    (forward) and of every weight gradient back to fp32 (backward) disappear; the optimizer state
+    holds, per parameter, the fp32 `master`, the fp32 moments and the step. On CUDA the update is
+    `_master_adamw_step` compiled (one fused kernel per parameter); elsewhere it runs eagerly.
+    Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
+    State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, compiled: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.compiled = compiled
+        self.grad_scale = self.found_inf = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                 "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
+                                 "master": p.detach().float().clone()}
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Take the masters from the parameters (after weights were loaded into the model alone)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["master"].copy_(p)
+
+    def load_state_dict(self, state_dict) -> None:
+        # torch's loader casts every floating-point state tensor to its parameter's dtype, which would
+        # round the fp32 masters and moments to bf16: copy the saved values into the fp32 state instead.
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        own = {p: {k: v for k, v in self.state[p].items()} for g in self.param_groups for p in g["params"]}
+        super().load_state_dict(state_dict)  # checks the groups, takes their hyperparameters
+        params = [p for g in self.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for i, p in zip(ids, params):
+                for k, t in own[p].items():
+                    t.copy_(saved[i][k])
+                self.state[p] = own[p]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterAdamW.step takes no closure")
+        lists = [[] for _ in range(8)]
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                for lst, x in zip(lists, (p, p.grad, st["master"], st["exp_avg"], st["exp_avg_sq"], st["step"], lr, wd)):
+                    lst.append(x)
+        if not lists[0]:
+            return None
+        device = lists[0][0].device
+        # lrs as 0-d device tensors: the scheduler changes them every step and a compiled step would
+        # otherwise specialise on each value
+        lr_tensors = {}
+        for i, lr in enumerate(lists[6]):
+            if lr not in lr_tensors:
+                lr_tensors[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
+            lists[6][i] = lr_tensors[lr]
+        one = torch.ones((), device=device)
+        scale = self.grad_scale if self.grad_scale is not None else one
+        skip = self.found_inf if self.found_inf is not None else torch.zeros((), device=device)
+        beta1, beta2 = self.param_groups[0]["betas"]
+        fn = _master_adamw_step
+        if self.compiled:
+            global _compiled_master_step
+            if _compiled_master_step is None:
+                _compiled_master_step = torch.compile(_master_adamw_step, fullgraph=True, dynamic=False)
+            fn = _compiled_master_step
+        fn(*lists, beta1, beta2, self.param_groups[0]["eps"], scale, skip)
+        self.grad_scale = self.found_inf = None
+        return None
 
 
 def lr_factor(step: int, total: int, warmup: int, decay_type: str, min_factor: float, decay_ratio: float) -> float:

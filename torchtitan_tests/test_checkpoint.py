@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from titanlite.checkpoint import complete_steps
 from titanlite.config import ConfigError, load_config
@@ -104,6 +105,16 @@ def test_async_save_resumes_exactly(base, tmp_path):
     assert complete_steps(tmp_path / "checkpoint") == [6, 4, 2]
     t = train(tmp_path, "--checkpoint.load_step", "4", "--checkpoint.async_mode", "async_with_pinned_mem")
     assert losses(t) == {5: expected[5], 6: expected[6]}
+
+
+def test_bf16_params_resume_exactly(tmp_path):
+    """training.bf16_params: the fp32 masters travel in the optimizer state and load back in fp32
+    (torch's loader would round them to the bf16 parameters' dtype), so a resume is bit-exact."""
+    whole = losses(train(tmp_path, "--training.bf16_params"))
+    t = train(tmp_path, "--training.bf16_params", "--checkpoint.load_step", "4")
+    assert losses(t) == {5: whole[5], 6: whole[6]}
+    master = next(iter(t.optimizer.state.values()))["master"]
+    assert master.dtype == torch.float32
 
 
 def test_reused_stager_survives_dcp_closing_it(base, tmp_path, monkeypatch):

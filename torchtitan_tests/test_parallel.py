@@ -55,8 +55,9 @@ DIST_RUNS = {
                                "never"]),
     "fsdp_ac_full": (4, ["--parallelism.data_parallel", "fsdp", "--activation_checkpoint.mode", "full"]),
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
+    "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.bf16_params"]),
 }
-LOSSY = {"ddp_bf16_reduce"}  # reduces gradients rounded to bf16: close to the reference, not equal
+LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params"}  # bf16 gradients: close to the reference, not equal
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
@@ -111,6 +112,22 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     bf16 = results["ddp_bf16_reduce"]["losses"]
     assert bf16[0] == pytest.approx(reference[0], rel=1e-6) and bf16[1:] != pytest.approx(reference[1:], rel=1e-6)
     assert bf16 == pytest.approx(reference, rel=2e-3)
+    # bf16 parameters under ddp: the master-weight optimizer, and the single bf16 process's losses
+    r = results["ddp_bf16_params"]
+    assert (r["model"], r["optimizer"]) == ("DistributedDataParallel", "MasterAdamW")
+    single = run_single(tmp_path / "single_bf16", 8, "--training.bf16_params")
+    assert r["losses"][0] == pytest.approx(single[0], rel=1e-6) and r["losses"] == pytest.approx(single, rel=2e-3)
+
+
+def test_bf16_params_track_fp32_training(reference, tmp_path):
+    """bf16 weights and activations with fp32 masters: the fp32 run's losses within bf16 rounding, and
+    really a different computation (the model's parameters are bf16, the optimizer is MasterAdamW)."""
+    t = Trainer(load_config(base_args(tmp_path, 8, "--training.bf16_params")))
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16} and type(t.optimizer).__name__ == "MasterAdamW"
+    assert all(b.dtype == torch.float32 for b in t.model.buffers())  # RoPE tables stay fp32
+    t.train()
+    losses = step_losses(t)
+    assert losses != pytest.approx(reference, rel=1e-6) and losses == pytest.approx(reference, rel=2e-3)
 
 
 def test_accumulation_equals_larger_batch(reference, tmp_path):

@@ -278,6 +278,8 @@ class Checkpointer:
             from titanlite.checkpoint.hf import load_hf_into
 
             load_hf_into(self.model, self.ck.initial_load_path, self.info.get("model", {}))
+            if hasattr(self.optimizer, "sync_masters"):  # training.bf16_params: fp32 masters follow the weights
+                self.optimizer.sync_masters()
             if self.dims.is_main:
                 logger.info(f"initial weights loaded from {self.ck.initial_load_path}")
         return None

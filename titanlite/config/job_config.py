@@ -70,6 +70,11 @@ class Training:
     max_norm: float = doc(1.0, "gradient-norm clip (0 disables clipping)", min=0.0)
     mixed_precision_param: Literal["bfloat16", "float32"] = doc(
         "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU always runs float32")
+    bf16_params: bool = doc(
+        False, "store the parameters in bf16 (1 device or ddp): the optimizer keeps fp32 master weights and "
+               "updates them and the bf16 copy in one fused kernel, so no autocast casts weights to bf16 and "
+               "gradients back each step; gradients are bf16 (ddp all-reduces them in bf16), and the residual "
+               "stream is bf16, as under fsdp. Any device (CPU too)")
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")

@@ -266,6 +266,27 @@ def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
                           "host to skip its optimizer update")
 
 
+# Modes whose parameters training.bf16_params cannot hold, with the reason given to the user.
+BF16_PARAMS_UNSUPPORTED = {
+    "fsdp": "FSDP keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy)",
+    "hsdp": "HSDP keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy)",
+    "zero1": "ZeroRedundancyOptimizer steps a torch optimizer of its own choosing, not the master-weight AdamW",
+}
+
+
+def check_bf16_params(cfg: JobConfig, world: int) -> None:
+    """training.bf16_params runs on one device or under ddp, in bf16, without CUDA graphs."""
+    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    if mode in BF16_PARAMS_UNSUPPORTED:
+        raise ConfigError(f"training.bf16_params with parallelism.data_parallel={mode}: "
+                          f"{BF16_PARAMS_UNSUPPORTED[mode]}; use ddp or one GPU")
+    if cfg.training.mixed_precision_param != "bfloat16":
+        raise ConfigError("training.bf16_params needs training.mixed_precision_param=bfloat16")
+    if cfg.training.cuda_graphs:
+        raise ConfigError("training.bf16_params with training.cuda_graphs: the master-weight update hands the "
+                          "scheduler's lr to the device each step, which a captured graph would not see")
+
+
 def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
@@ -274,6 +295,8 @@ def check_combination(cfg: JobConfig, world: int) -> None:
         hsdp_shape(cfg, world)
     if cfg.training.cuda_graphs:
         check_cuda_graphs(cfg, world)
+    if cfg.training.bf16_params:
+        check_bf16_params(cfg, world)
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:

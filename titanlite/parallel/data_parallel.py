@@ -111,10 +111,15 @@ def grad_sync(model: nn.Module, enabled: bool):
 
 
 def fused_clip_supported(optimizer) -> bool:
-    """Can the clip scale ride inside the optimizer kernel? Fused torch AdamW over plain tensors only
-    (not ZeroRedundancyOptimizer, not FSDP's DTensor parameters, not capturable for CUDA graphs)."""
+    """Can the clip scale ride inside the optimizer kernel? Fused torch AdamW over plain tensors (not
+    ZeroRedundancyOptimizer, not FSDP's DTensor parameters, not capturable for CUDA graphs), or
+    titanlite's MasterAdamW (training.bf16_params)."""
     from torch.distributed.tensor import DTensor
 
+    from titanlite.optim import MasterAdamW
+
+    if type(optimizer) is MasterAdamW:
+        return True
     if type(optimizer) is not torch.optim.AdamW or not optimizer.defaults.get("fused"):
         return False
     if optimizer.defaults.get("capturable"):
@@ -136,7 +141,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
 
     if optimizer is not None and fused_clip_supported(optimizer):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        # accumulated in fp32 whatever the gradients' dtype (bf16 under training.bf16_params)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         if max_norm > 0:  # same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
             optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
         if skip_nonfinite:

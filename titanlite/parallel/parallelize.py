@@ -1,7 +1,7 @@
 """parallelize(model, cfg, dims): apply the configured techniques in one documented order.
 
     float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
-    -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
+    -> bf16 parameters (training.bf16_params) -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
 
 The first three rewrite modules and run on the meta-device model. Weights are then materialised
 and initialised in full, identically on every rank (same seed, same device type, same op order as a
@@ -124,6 +124,14 @@ def apply_compile(model: nn.Module, cfg) -> None:
     model.compile_loss = True  # the chunked loss compiles its per-chunk softmax/gradient kernel
 
 
+# ------------------------------------------------------------------------------------- bf16 params
+def apply_bf16_params(model: nn.Module) -> None:
+    """Store every parameter in bf16 (training.bf16_params); buffers (the RoPE tables) stay fp32.
+    The fp32 masters are the optimizer's (titanlite.optim.MasterAdamW), taken from these values."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------ materialise
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate the full weights on `device` and initialise them from `seed`."""
@@ -142,6 +150,8 @@ def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
     if cfg.compile.enable:
         apply_compile(model, cfg)
     materialize(model, dims.device, cfg.training.seed)
+    if cfg.training.bf16_params:
+        apply_bf16_params(model)  # before ddp, whose buckets take the gradients' dtype
     if dims.world_size > 1 and dims.mode != "none":
         model = DATA_PARALLEL[dims.mode](model, cfg, dims)
     return model

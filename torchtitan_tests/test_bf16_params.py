@@ -1,0 +1,100 @@
+"""training.bf16_params: bf16 parameters with fp32 master weights in titanlite.optim.MasterAdamW.
+
+The update must be torch's AdamW (same formula, same clip and skip semantics) applied to the fp32
+masters, with each bf16 parameter the rounding of its master; checkpoints must keep the masters in
+fp32; the combinations it cannot serve are refused by name. Loss parity with the fp32 path and under
+ddp is in test_parallel.py, resume in test_checkpoint.py.
+"""
+
+import pytest
+import torch
+
+from titanlite.config import ConfigError, load_config
+from titanlite.config.manager import check_combination
+from titanlite.optim import MasterAdamW
+
+SHAPES = [(64, 32), (32,), (48, 64)]
+
+
+def pair(compiled: bool = False):
+    """torch AdamW on fp32 parameters, and MasterAdamW on their bf16 twins (bf16-exact start)."""
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in SHAPES]
+    low = [torch.nn.Parameter(p.detach().bfloat16()) for p in ref]
+    groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    return ref, low, torch.optim.AdamW(groups(ref), **kw), MasterAdamW(groups(low), compiled=compiled, **kw)
+
+
+def steps(ref, low, a, b, n: int, scale: float = 2.0):
+    """n steps with the same bf16 gradients; MasterAdamW divides by its grad_scale, torch's gets them divided."""
+    for _ in range(n):
+        for r, w in zip(ref, low):
+            g = torch.randn(r.shape).bfloat16()
+            r.grad, w.grad = g.float() / scale, g
+        b.grad_scale = torch.tensor(scale)
+        a.step()
+        b.step()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_update_is_torch_adamw_on_the_masters(compiled):
+    ref, low, a, b = pair(compiled)
+    steps(ref, low, a, b, 5)
+    for r, w in zip(ref, low):
+        st = b.state[w]
+        assert st["master"].dtype == st["exp_avg"].dtype == torch.float32 and w.dtype == torch.bfloat16
+        torch.testing.assert_close(st["master"], r.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(st["exp_avg"], a.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+        assert torch.equal(w.detach(), st["master"].bfloat16())  # the parameter is its master, rounded
+        assert st["step"].item() == 5
+    assert (low[0].float() != pair()[1][0].float()).any()  # it moved
+
+
+def test_found_inf_skips_everything_on_device():
+    ref, low, a, b = pair()
+    steps(ref, low, a, b, 2)
+    before = {id(w): {k: v.clone() for k, v in b.state[w].items()} for w in low}
+    params = [w.detach().clone() for w in low]
+    for w in low:
+        w.grad = torch.full(w.shape, float("inf"), dtype=torch.bfloat16)
+    b.found_inf = torch.tensor(1.0)
+    b.step()
+    for w, p in zip(low, params):
+        assert torch.equal(w.detach(), p)
+        for k, v in b.state[w].items():
+            assert torch.equal(v, before[id(w)][k]), k  # step counter included
+    steps(ref, low, a, b, 1)  # and the next finite step is torch's third
+    for r, w in zip(ref, low):
+        torch.testing.assert_close(b.state[w]["master"], r.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_state_dict_round_trip_keeps_fp32():
+    """torch's Optimizer.load_state_dict casts state to the parameter dtype (bf16 here): ours must not."""
+    ref, low, a, b = pair()
+    steps(ref, low, a, b, 3)
+    sd = b.state_dict()
+    _, low2, _, b2 = pair()
+    b2.load_state_dict(sd)
+    for w, w2 in zip(low, low2):
+        for k, v in b.state[w].items():
+            assert b2.state[w2][k].dtype == torch.float32 and torch.equal(b2.state[w2][k], v), k
+    b2.sync_masters()  # after a model-only load, the masters follow the parameters
+    assert all(torch.equal(b2.state[w]["master"], w.float()) for w in low2)
+
+
+@pytest.mark.parametrize("extra, world, needle", [
+    (["--parallelism.data_parallel", "fsdp"], 2, "data_parallel=fsdp: FSDP keeps fp32 shards"),
+    (["--parallelism.data_parallel", "hsdp"], 2, "data_parallel=hsdp"),
+    (["--parallelism.data_parallel", "zero1"], 2, "data_parallel=zero1: ZeroRedundancyOptimizer"),
+    (["--training.mixed_precision_param", "float32"], 1, "needs training.mixed_precision_param=bfloat16"),
+    (["--training.cuda_graphs"], 1, "with training.cuda_graphs"),
+])
+def test_unsupported_combinations_are_refused(extra, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_combination(load_config(["--training.bf16_params", *extra]), world)
+
+
+def test_supported_combinations_pass():
+    check_combination(load_config(["--training.bf16_params", "--parallelism.data_parallel", "ddp"]), 2)
+    check_combination(load_config(["--training.bf16_params", "--parallelism.data_parallel", "fsdp"]), 1)  # 1 rank
