@@ -33,32 +33,28 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     return torch.optim.AdamW(groups, **kw)
 
 
-def _master_adamw_step(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, wds,
-                       beta1: float, beta2: float, eps: float, grad_scale, skip) -> None:
-    """AdamW on fp32 master weights, writing each low-precision parameter from its master.
+def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
+                         bias1, bias2_sqrt, grad_scale, keep) -> None:
+    """AdamW on one fp32 master weight `w`, writing the low-precision parameter `p` from it.
 
-    Compiled, every parameter's update is one kernel: it reads the bf16 gradient, the master and both
-    moments and writes the master, the moments and the bf16 parameter (28 bytes per parameter, as
-    many as torch's fused AdamW on fp32 parameters moves). `grad_scale` divides the gradients (the
-    grad-norm clip); where `skip` is 1 nothing changes, the step counter included (no host sync).
-    The formula is torch.optim.AdamW's.
+    All tensors arrive flattened to 1-D. Compiled (with dynamic sizes, so one kernel serves every
+    parameter) this is a single kernel that reads the bf16 gradient, the master and both moments and
+    writes the master, the moments and the bf16 parameter: 28 bytes per parameter, as many as torch's
+    fused AdamW moves on fp32 parameters. `grad_scale` divides the gradient (the grad-norm clip);
+    where `keep` is true nothing changes (a skipped step, decided on the device). The formula is
+    torch.optim.AdamW's.
     """
-    keep = skip > 0
-    step = torch.where(keep, steps[0], steps[0] + 1)
-    bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
-    for p, g, w, m, v, s, lr, wd in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, wds):
-        g = g.float() / grad_scale
-        m_new = m.lerp(g, 1 - beta1)
-        v_new = v * beta2 + (1 - beta2) * g * g
-        w_new = torch.where(keep, w, w * (1 - lr * wd) - (lr / bias1) * m_new / (v_new.sqrt() / bias2_sqrt + eps))
-        m.copy_(torch.where(keep, m, m_new))
-        v.copy_(torch.where(keep, v, v_new))
-        w.copy_(w_new)
-        p.copy_(w_new)
-        s.copy_(step)
+    g = g.float() / grad_scale
+    m_new = m.lerp(g, 1 - beta1)
+    v_new = v * beta2 + (1 - beta2) * g * g
+    w_new = torch.where(keep, w, w * (1 - lr * wd) - (lr / bias1) * m_new / (v_new.sqrt() / bias2_sqrt + eps))
+    m.copy_(torch.where(keep, m, m_new))
+    v.copy_(torch.where(keep, v, v_new))
+    w.copy_(w_new)
+    p.copy_(w_new)
 
 
-_compiled_master_step = None
+_compiled_update = None
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -109,36 +105,32 @@ class MasterAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
-        lists = [[] for _ in range(8)]
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                for lst, x in zip(lists, (p, p.grad, st["master"], st["exp_avg"], st["exp_avg_sq"], st["step"], lr, wd)):
-                    lst.append(x)
-        if not lists[0]:
+        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not work:
             return None
-        device = lists[0][0].device
-        # lrs as 0-d device tensors: the scheduler changes them every step and a compiled step would
-        # otherwise specialise on each value
-        lr_tensors = {}
-        for i, lr in enumerate(lists[6]):
-            if lr not in lr_tensors:
-                lr_tensors[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
-            lists[6][i] = lr_tensors[lr]
-        one = torch.ones((), device=device)
-        scale = self.grad_scale if self.grad_scale is not None else one
-        skip = self.found_inf if self.found_inf is not None else torch.zeros((), device=device)
-        beta1, beta2 = self.param_groups[0]["betas"]
-        fn = _master_adamw_step
+        device = work[0][1].device
+        scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
+        keep = (self.found_inf > 0) if self.found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
+        (beta1, beta2), eps = self.defaults["betas"], self.defaults["eps"]
+        steps = [self.state[p]["step"] for _, p in work]
+        step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
+        bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
+        update = _master_adamw_update
         if self.compiled:
-            global _compiled_master_step
-            if _compiled_master_step is None:
-                _compiled_master_step = torch.compile(_master_adamw_step, fullgraph=True, dynamic=False)
-            fn = _compiled_master_step
-        fn(*lists, beta1, beta2, self.param_groups[0]["eps"], scale, skip)
+            global _compiled_update
+            if _compiled_update is None:
+                _compiled_update = torch.compile(_master_adamw_update, fullgraph=True, dynamic=True)
+            update = _compiled_update
+        lr_on_device = {}  # the scheduler moves the lr every step: as a Python float it would recompile
+        for group, p in work:
+            lr = group["lr"]
+            if lr not in lr_on_device:
+                lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
+            st = self.state[p]
+            update(p.view(-1), p.grad.reshape(-1), st["master"].view(-1), st["exp_avg"].view(-1),
+                   st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
+                   bias1, bias2_sqrt, scale, keep)
+        torch._foreach_copy_(steps, [step] * len(steps))
         self.grad_scale = self.found_inf = None
         return None
 

@@ -16,10 +16,10 @@ from titanlite.optim import MasterAdamW
 SHAPES = [(64, 32), (32,), (48, 64)]
 
 
-def pair(compiled: bool = False):
+def pair(compiled: bool = False, device: str = "cpu"):
     """torch AdamW on fp32 parameters, and MasterAdamW on their bf16 twins (bf16-exact start)."""
     torch.manual_seed(0)
-    ref = [torch.nn.Parameter(torch.randn(s).bfloat16().float()) for s in SHAPES]
+    ref = [torch.nn.Parameter(torch.randn(s, device=device).bfloat16().float()) for s in SHAPES]
     low = [torch.nn.Parameter(p.detach().bfloat16()) for p in ref]
     groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
@@ -30,16 +30,20 @@ def steps(ref, low, a, b, n: int, scale: float = 2.0):
     """n steps with the same bf16 gradients; MasterAdamW divides by its grad_scale, torch's gets them divided."""
     for _ in range(n):
         for r, w in zip(ref, low):
-            g = torch.randn(r.shape).bfloat16()
+            g = torch.randn(r.shape, device=r.device).bfloat16()
             r.grad, w.grad = g.float() / scale, g
-        b.grad_scale = torch.tensor(scale)
+        b.grad_scale = torch.tensor(scale, device=r.device)
         a.step()
         b.step()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_update_is_torch_adamw_on_the_masters(compiled):
-    ref, low, a, b = pair(compiled)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("compiled, device", [(False, "cpu"), (True, "cpu"), pytest.param(True, "cuda", marks=GPU)],
+                         ids=["eager", "compiled", "compiled-cuda"])
+def test_update_is_torch_adamw_on_the_masters(compiled, device):
+    ref, low, a, b = pair(compiled, device)
     steps(ref, low, a, b, 5)
     for r, w in zip(ref, low):
         st = b.state[w]
@@ -48,7 +52,7 @@ def test_update_is_torch_adamw_on_the_masters(compiled):
         torch.testing.assert_close(st["exp_avg"], a.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
         assert torch.equal(w.detach(), st["master"].bfloat16())  # the parameter is its master, rounded
         assert st["step"].item() == 5
-    assert (low[0].float() != pair()[1][0].float()).any()  # it moved
+    assert (low[0].cpu().float() != pair()[1][0].float()).any()  # it moved
 
 
 def test_found_inf_skips_everything_on_device():
