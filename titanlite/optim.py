@@ -22,7 +22,7 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda" if o.fused == "auto" else o.fused == "true"
     if cfg.training.bf16_params:
-        return MasterAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, compiled=fused)
+        return MasterAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if cfg.training.cuda_graphs and device.type == "cuda":
         kw.update(lr=torch.tensor(o.lr, device=device), capturable=True)
@@ -37,12 +37,11 @@ def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: floa
                          bias1, bias2_sqrt, grad_scale, keep) -> None:
     """AdamW on one fp32 master weight `w`, writing the low-precision parameter `p` from it.
 
-    All tensors arrive flattened to 1-D. Compiled (with dynamic sizes, so one kernel serves every
-    parameter) this is a single kernel that reads the bf16 gradient, the master and both moments and
-    writes the master, the moments and the bf16 parameter: 28 bytes per parameter, as many as torch's
-    fused AdamW moves on fp32 parameters. `grad_scale` divides the gradient (the grad-norm clip);
-    where `keep` is true nothing changes (a skipped step, decided on the device). The formula is
-    torch.optim.AdamW's.
+    All tensors arrive flattened to 1-D. This is the CPU path and the reference of the CUDA kernel
+    (titanlite.ops.master_adamw), which does it in one pass: 28 bytes per parameter, as many as
+    torch's fused AdamW moves on fp32 parameters. `grad_scale` divides the gradient (the grad-norm
+    clip); where `keep` is true nothing changes (a skipped step, decided on the device). The formula
+    is torch.optim.AdamW's.
     """
     g = g.float() / grad_scale
     m_new = m.lerp(g, 1 - beta1)
@@ -54,24 +53,22 @@ def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: floa
     p.copy_(w_new)
 
 
-_compiled_update = None
-
-
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW for low-precision (bf16) parameters with fp32 master weights (training.bf16_params).
 
     The model then computes in bf16 with no autocast, so the per-step casts of every weight to bf16
     (forward) and of every weight gradient back to fp32 (backward) disappear; the optimizer state
-    holds, per parameter, the fp32 `master`, the fp32 moments and the step. On CUDA the update is
-    `_master_adamw_step` compiled (one fused kernel per parameter); elsewhere it runs eagerly.
+    holds, per parameter, the fp32 `master`, the fp32 moments and the step. On CUDA with `fused` the
+    update is one Triton kernel per parameter (titanlite.ops.master_adamw); elsewhere
+    `_master_adamw_update` runs eagerly (the reference the kernel is tested against).
     Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, compiled: bool = False):
+                 weight_decay: float = 1e-2, fused: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.compiled = compiled
+        self.fused = fused
         self.grad_scale = self.found_inf = None
         for group in self.param_groups:
             for p in group["params"]:
@@ -116,18 +113,15 @@ class MasterAdamW(torch.optim.Optimizer):
         step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
         update = _master_adamw_update
-        if self.compiled:
-            global _compiled_update
-            if _compiled_update is None:
-                _compiled_update = torch.compile(_master_adamw_update, fullgraph=True, dynamic=True)
-            update = _compiled_update
-        lr_on_device = {}  # the scheduler moves the lr every step: as a Python float it would recompile
+        if self.fused and device.type == "cuda":
+            from titanlite.ops.master_adamw import master_adamw_update as update
+        lr_on_device = {}  # one 0-d tensor per distinct lr, read by the kernel
         for group, p in work:
             lr = group["lr"]
             if lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             st = self.state[p]
-            update(p.view(-1), p.grad.reshape(-1), st["master"].view(-1), st["exp_avg"].view(-1),
+            update(p.view(-1), p.grad.view(-1), st["master"].view(-1), st["exp_avg"].view(-1),
                    st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
                    bias1, bias2_sqrt, scale, keep)
         torch._foreach_copy_(steps, [step] * len(steps))
