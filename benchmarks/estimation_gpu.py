@@ -34,6 +34,7 @@ CASES = {  # name -> (ranks, overrides)
     "b8": (1, ["--training.local_batch_size", "8"]),
     "b8_ac_full": (1, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
     "b4_float8": (1, ["--training.local_batch_size", "4", "--float8.enable"]),
+    "b4_bf16_params": (1, ["--training.local_batch_size", "4", "--training.bf16_params"]),
     "fsdp2_b4": (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel", "fsdp"]),
 }
 

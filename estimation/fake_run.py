@@ -25,7 +25,7 @@ from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
 from titanlite.config.manager import hsdp_shape
 from titanlite.parallel.data_parallel import apply_ddp
-from titanlite.parallel.parallelize import apply_ac, apply_float8
+from titanlite.parallel.parallelize import apply_ac, apply_bf16_params, apply_float8
 
 from estimation.tracker import StepTracker
 
@@ -166,6 +166,8 @@ class FakeRun:
             model.to_empty(device="cpu")
             if self.args.tie_embeddings:  # values do not matter on fake tensors, the sharing does
                 model.output.weight = model.tok_embeddings.weight
+            if run_cfg.training.bf16_params:  # as parallelize: bf16 weights before any wrapping
+                apply_bf16_params(model)
             if self.mode in ("fsdp", "hsdp"):
                 from titanlite.parallel.data_parallel import _fsdp
 
@@ -181,6 +183,8 @@ class FakeRun:
             from titanlite.optim import build_optimizer
 
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
+            # MasterAdamW (bf16_params) creates its state (fp32 masters, moments) up front, not in a step
+            self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
             self.model = model
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
             self._step(1, WARMUP_SEQ, micro_steps=1)  # optimizer state and DDP buckets exist from here on
@@ -196,8 +200,8 @@ class FakeRun:
     def _forward_loss(self, tokens):
         from titanlite.ops.loss import cross_entropy
 
-        # The trainer autocasts to bf16 on CUDA unless FSDP already holds bf16 parameters.
-        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp")
+        # The trainer autocasts to bf16 on CUDA unless the parameters are bf16 already (FSDP, bf16_params).
+        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp") and not self.cfg.training.bf16_params
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             if self.cfg.training.loss == "chunked":  # as Trainer.forward_loss
                 return self.model(tokens, tokens)

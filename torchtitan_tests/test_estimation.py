@@ -46,6 +46,24 @@ def test_model_state_matches_analytic(mode, world):
         assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
 
 
+@pytest.mark.parametrize("mode,world", [("none", 1), ("ddp", 2)])
+def test_bf16_params_model_state(mode, world):
+    """training.bf16_params: bf16 parameters and gradients (2 + 2 bytes), fp32 masters and moments in
+    the optimizer (12 bytes), counted as optimizer state although MasterAdamW creates them up front."""
+    from estimation.fake_run import FakeRun
+
+    run = FakeRun(_cfg("--parallelism.data_parallel", "ddp", "--training.bf16_params"), world)
+    try:
+        state = run.step(2).model_state
+    finally:
+        run.close()
+    n = run.args.num_params()
+    rope = 2 * 32 * run.args.hdim * 4
+    grads = "comm_buffers" if mode == "ddp" else "grads"  # ddp: views into its (bf16) buckets
+    for k, v in {"params": 2 * n + rope, grads: 2 * n, "optimizer": 12 * n}.items():
+        assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
+
+
 def test_peak_breakdown_and_activation_checkpointing():
     """The peak is the sum of its categories; full AC keeps fewer activations; FSDP gathers show up."""
     from estimation.fake_run import FakeRun
