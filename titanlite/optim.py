@@ -69,6 +69,7 @@ class MasterAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, fused: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fused = fused
+        self.update_fn = None  # replaces the per-parameter update (estimation's fake run counts the kernel's bytes)
         self.grad_scale = self.found_inf = None
         for group in self.param_groups:
             for p in group["params"]:
@@ -112,8 +113,8 @@ class MasterAdamW(torch.optim.Optimizer):
         steps = [self.state[p]["step"] for _, p in work]
         step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
-        update = _master_adamw_update
-        if self.fused and device.type == "cuda":
+        update = self.update_fn or _master_adamw_update
+        if self.update_fn is None and self.fused and device.type == "cuda":
             from titanlite.ops.master_adamw import master_adamw_update as update
         lr_on_device = {}  # one 0-d tensor per distinct lr, read by the kernel
         for group, p in work:

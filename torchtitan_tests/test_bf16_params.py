@@ -104,3 +104,27 @@ def test_unsupported_combinations_are_refused(extra, world, needle):
 def test_supported_combinations_pass():
     check_combination(load_config(["--training.bf16_params", "--parallelism.data_parallel", "ddp"]), 2)
     check_combination(load_config(["--training.bf16_params", "--parallelism.data_parallel", "fsdp"]), 1)  # 1 rank
+
+
+def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch):
+    """checkpoint.initial_load_path loads the model alone: without taking the masters from it, the
+    first update would overwrite the loaded weights with the random initialisation's masters."""
+    import titanlite.checkpoint.hf as hf
+    from titanlite.train import Trainer
+
+    def fake_load(model, folder, info):  # stands in for reading safetensors: recognisable weights
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.fill_(0.01 * (i + 1))
+
+    monkeypatch.setattr(hf, "load_hf_into", fake_load)
+    t = Trainer(load_config(["--training.bf16_params", "--training.dataset", "synthetic", "--training.seq_len", "32",
+                             "--training.local_batch_size", "2", "--metrics.progress_bar=false",
+                             "--data.num_workers", "0", "--job.dump_folder", str(tmp_path),
+                             "--checkpoint.initial_load_path", str(tmp_path)]))
+    try:
+        for i, p in enumerate(t.model.parameters()):
+            loaded = torch.full(p.shape, 0.01 * (i + 1)).bfloat16().float()
+            assert torch.equal(p.float(), loaded) and torch.equal(t.optimizer.state[p]["master"], loaded)
+    finally:
+        t.close()
