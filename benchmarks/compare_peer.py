@@ -43,6 +43,8 @@ SUITES = {
         "compile+float8 bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable",
                                        "--training.bf16_params"],
         "compile+cuda_graphs": ["--training.local_batch_size", "4", "--compile.enable", "--training.cuda_graphs"],
+        "compile+cuda_graphs bf16_params": ["--training.local_batch_size", "4", "--compile.enable",
+                                            "--training.cuda_graphs", "--training.bf16_params"],
     },
     "best": {
         "compile b4": ["--training.local_batch_size", "4", "--compile.enable"],

@@ -21,11 +21,13 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda" if o.fused == "auto" else o.fused == "true"
-    if cfg.training.bf16_params:
-        return MasterAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
-    kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
-    if cfg.training.cuda_graphs and device.type == "cuda":
-        kw.update(lr=torch.tensor(o.lr, device=device), capturable=True)
+    graphs = cfg.training.cuda_graphs and device.type == "cuda"
+    lr = torch.tensor(o.lr, device=device) if graphs else o.lr
+    if cfg.training.bf16_params:  # its step is capturable as it is, given the lr as a device tensor
+        return MasterAdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    if graphs:
+        kw.update(capturable=True)
     if dp_mode == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -116,10 +118,14 @@ class MasterAdamW(torch.optim.Optimizer):
         update = self.update_fn or _master_adamw_update
         if self.update_fn is None and self.fused and device.type == "cuda":
             from titanlite.ops.master_adamw import master_adamw_update as update
-        lr_on_device = {}  # one 0-d tensor per distinct lr, read by the kernel
+        # The kernel reads the lr from the device: a tensor already under CUDA graphs (the scheduler
+        # writes it in place), else one 0-d copy per distinct value
+        lr_on_device = {}
         for group, p in work:
             lr = group["lr"]
-            if lr not in lr_on_device:
+            if isinstance(lr, torch.Tensor):
+                lr_on_device[lr] = lr
+            elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             st = self.state[p]
             update(p.view(-1), p.grad.view(-1), st["master"].view(-1), st["exp_avg"].view(-1),

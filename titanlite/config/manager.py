@@ -275,16 +275,13 @@ BF16_PARAMS_UNSUPPORTED = {
 
 
 def check_bf16_params(cfg: JobConfig, world: int) -> None:
-    """training.bf16_params runs on one device or under ddp, in bf16, without CUDA graphs."""
+    """training.bf16_params runs on one device or under ddp, in bf16."""
     mode = cfg.parallelism.data_parallel if world > 1 else "none"
     if mode in BF16_PARAMS_UNSUPPORTED:
         raise ConfigError(f"training.bf16_params with parallelism.data_parallel={mode}: "
                           f"{BF16_PARAMS_UNSUPPORTED[mode]}; use ddp or one GPU")
     if cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError("training.bf16_params needs training.mixed_precision_param=bfloat16")
-    if cfg.training.cuda_graphs:
-        raise ConfigError("training.bf16_params with training.cuda_graphs: the master-weight update hands the "
-                          "scheduler's lr to the device each step, which a captured graph would not see")
 
 
 def check_combination(cfg: JobConfig, world: int) -> None:
