@@ -92,7 +92,7 @@ class MasterAdamW(torch.optim.Optimizer):
         # round the fp32 masters and moments to bf16: copy the saved values into the fp32 state instead.
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        own = {p: {k: v for k, v in self.state[p].items()} for g in self.param_groups for p in g["params"]}
+        own = {p: dict(self.state[p]) for g in self.param_groups for p in g["params"]}
         super().load_state_dict(state_dict)  # checks the groups, takes their hyperparameters
         params = [p for g in self.param_groups for p in g["params"]]
         with torch.no_grad():
@@ -111,7 +111,7 @@ class MasterAdamW(torch.optim.Optimizer):
         device = work[0][1].device
         scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
         keep = (self.found_inf > 0) if self.found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
-        (beta1, beta2), eps = self.defaults["betas"], self.defaults["eps"]
+        (beta1, beta2), eps = self.defaults["betas"], self.defaults["eps"]  # one setting for all groups
         steps = [self.state[p]["step"] for _, p in work]
         step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
