@@ -74,7 +74,8 @@ class Training:
         False, "store the parameters in bf16 (1 device or ddp): the optimizer keeps fp32 master weights and "
                "updates them and the bf16 copy in one fused kernel, so no autocast casts weights to bf16 and "
                "gradients back each step; gradients are bf16 (ddp all-reduces them in bf16), and the residual "
-               "stream is bf16, as under fsdp. Any device (CPU too)")
+               "stream is bf16, as under fsdp. Any device (CPU too). Faster, but converged measurably worse in a "
+               "200-step test: see docs/performance.md")
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")
