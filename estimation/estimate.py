@@ -8,6 +8,7 @@ import sys
 import time
 
 from titanlite.config import ConfigError, resolve_batch, to_dict
+from titanlite.config.manager import data_parallel_mode
 from titanlite.models import get_model_args
 
 from estimation.fake_run import FakeRun, StepResult
@@ -90,7 +91,7 @@ def estimate(cfg, progress=_progress) -> dict:
     attention = auto_attention(hw) if cfg.model.attention_backend == "auto" else cfg.model.attention_backend
     micro_steps = 2 if accum > 1 else 1  # two micro-steps show both the accumulating and the syncing one
     usable = hw.memory_gib * GIB - est.reserved_gib * GIB
-    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    mode = data_parallel_mode(cfg, world)
     fits = _Fits(usable, headroom(est.fragmentation, mode))
 
     progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}")

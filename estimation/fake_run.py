@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
-from titanlite.config.manager import hsdp_shape
+from titanlite.config.manager import data_parallel_mode, hsdp_shape
 from titanlite.parallel.data_parallel import apply_ddp
 from titanlite.parallel.parallelize import apply_ac, apply_bf16_params, apply_float8
 
@@ -148,7 +148,7 @@ class FakeRun:
         run_cfg.float8.emulate = True             # float8 matmuls have CPU (fake) kernels only emulated
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
         self.world = world
-        self.mode = cfg.parallelism.data_parallel if world > 1 else "none"
+        self.mode = data_parallel_mode(cfg, world)
         self.args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         self.seq_len = cfg.training.seq_len
         self.bf16 = cfg.training.mixed_precision_param == "bfloat16"

@@ -216,6 +216,11 @@ def resolve_batch(cfg: JobConfig, dp_size: int) -> int:
     return gb // (lb * dp_size)
 
 
+def data_parallel_mode(cfg: JobConfig, world: int) -> str:
+    """The data-parallel mode a run of `world` ranks uses: the configured one, or "none" for one rank."""
+    return cfg.parallelism.data_parallel if world > 1 else "none"
+
+
 def check_world_size(cfg: JobConfig, world: int) -> None:
     """Several ranks need a data-parallel mode: without one they would train unsynchronised copies."""
     if world > 1 and cfg.parallelism.data_parallel == "none":
@@ -239,7 +244,6 @@ def hsdp_shape(cfg, world: int) -> tuple[int, int]:
     return rep, shard
 
 
-
 # Modes a captured step cannot serve, with the reason given to the user.
 CUDA_GRAPHS_UNSUPPORTED = {
     "fsdp": "FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
@@ -253,7 +257,7 @@ CUDA_GRAPHS_UNSUPPORTED = {
 
 def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
     """Refuse, with the reason, the combinations a captured step cannot run correctly."""
-    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    mode = data_parallel_mode(cfg, world)
     if mode in CUDA_GRAPHS_UNSUPPORTED:
         raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={mode}: "
                           f"{CUDA_GRAPHS_UNSUPPORTED[mode]}")
@@ -276,7 +280,7 @@ BF16_PARAMS_UNSUPPORTED = {
 
 def check_bf16_params(cfg: JobConfig, world: int) -> None:
     """training.bf16_params runs on one device or under ddp, in bf16."""
-    mode = cfg.parallelism.data_parallel if world > 1 else "none"
+    mode = data_parallel_mode(cfg, world)
     if mode in BF16_PARAMS_UNSUPPORTED:
         raise ConfigError(f"training.bf16_params with parallelism.data_parallel={mode}: "
                           f"{BF16_PARAMS_UNSUPPORTED[mode]}; use ddp or one GPU")
@@ -288,7 +292,7 @@ def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
     check_world_size(cfg, world)
-    if world > 1 and cfg.parallelism.data_parallel == "hsdp":
+    if data_parallel_mode(cfg, world) == "hsdp":
         hsdp_shape(cfg, world)
     if cfg.training.cuda_graphs:
         check_cuda_graphs(cfg, world)

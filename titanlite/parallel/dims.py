@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanlite.config.manager import data_parallel_mode
+
 
 @dataclass
 class ParallelDims:
@@ -58,5 +60,4 @@ def init_distributed(cfg) -> ParallelDims:
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    mode = cfg.parallelism.data_parallel if world > 1 else "none"
-    return ParallelDims(world, rank, local_rank, device, mode)
+    return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))
