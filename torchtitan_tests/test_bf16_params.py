@@ -128,3 +128,26 @@ def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch
             assert torch.equal(p.float(), loaded) and torch.equal(t.optimizer.state[p]["master"], loaded)
     finally:
         t.close()
+
+
+def test_captured_iteration_updates_as_the_eager_step(tmp_path):
+    """What training.cuda_graphs captures (CudaGraphStep.iteration) must update like the eager step:
+    with MasterAdamW the clip goes into the optimizer (an fp32 norm), not a bf16 rescale of the grads."""
+    from titanlite.parallel.cuda_graphs import CudaGraphStep
+    from titanlite.train import Trainer
+
+    argv = ["--training.bf16_params", "--training.dataset", "synthetic", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--metrics.progress_bar=false", "--data.num_workers", "0",
+            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0.1"]
+    eager, captured = (Trainer(load_config(argv + ["--job.dump_folder", str(tmp_path / n)])) for n in "ab")
+    try:
+        eager.train_step()
+        graph = CudaGraphStep(captured.model, captured.optimizer, captured.forward_loss, 1, 0.1, captured.device, 1,
+                              "none")
+        _, norm = graph.iteration([captured.next_batch()])
+        assert norm > 0.1  # the clip was active
+        for a, b in zip(eager.model.parameters(), captured.model.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        eager.close()
+        captured.close()

@@ -91,7 +91,7 @@ class CudaGraphStep:
                 loss = self.loss_fn(inputs, labels) / self.grad_accum
                 loss.backward()
             total += loss.detach()
-        grad_norm = clip_grad_norm(self.model, self.max_norm)
+        grad_norm = clip_grad_norm(self.model, self.max_norm, self.optimizer)  # fused where it can be, as eager
         self.optimizer.step()
         return total, grad_norm
 
