@@ -124,7 +124,7 @@ def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch
                              "--checkpoint.initial_load_path", str(tmp_path)]))
     try:
         for i, p in enumerate(t.model.parameters()):
-            loaded = torch.full(p.shape, 0.01 * (i + 1)).bfloat16().float()
+            loaded = torch.full(p.shape, 0.01 * (i + 1), device=p.device).bfloat16().float()
             assert torch.equal(p.float(), loaded) and torch.equal(t.optimizer.state[p]["master"], loaded)
     finally:
         t.close()
