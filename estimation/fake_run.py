@@ -125,7 +125,8 @@ class _NoBucketRebuild:
 
 def _one_pass_update(tracker, p, g, w, m, v, *args) -> None:
     """MasterAdamW's update as the GPU runs it: one kernel reading g, w, m, v and writing w, m, v, p
-    (its eager reference, run here for the values, would be counted op by op: about 4x the bytes)."""
+    (w None: p is its own master) (its eager reference, run here for the values, would be counted op
+    by op: about 4x the bytes)."""
     from titanlite.optim import _master_adamw_update
 
     counting, tracker.count_work = tracker.count_work, False
@@ -135,7 +136,8 @@ def _one_pass_update(tracker, p, g, w, m, v, *args) -> None:
         tracker.count_work = counting
     if counting:
         work = tracker.work[tracker.phase]
-        work.memory_bytes += nbytes(g) + nbytes(p) + 2 * (nbytes(w) + nbytes(m) + nbytes(v))
+        master = 2 * nbytes(p) if w is None else nbytes(p) + 2 * nbytes(w)
+        work.memory_bytes += nbytes(g) + master + 2 * (nbytes(m) + nbytes(v))
         work.ops += 1
 
 
@@ -219,8 +221,8 @@ class FakeRun:
     def _forward_loss(self, tokens):
         from titanlite.ops.loss import cross_entropy
 
-        # The trainer autocasts to bf16 on CUDA unless the parameters are bf16 already (FSDP, bf16_params).
-        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp") and not self.cfg.training.bf16_params
+        # The trainer autocasts to bf16 on CUDA unless FSDP's policy gives bf16 parameters.
+        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp")
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             if self.cfg.training.loss == "chunked":  # as Trainer.forward_loss
                 return self.model(tokens, tokens)

@@ -37,7 +37,8 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
 
 def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
                          bias1, bias2_sqrt, grad_scale, keep) -> None:
-    """AdamW on one fp32 master weight `w`, writing the low-precision parameter `p` from it.
+    """AdamW on one fp32 master weight `w`, writing the low-precision parameter `p` from it (`w` None:
+    `p` is fp32 and its own master).
 
     All tensors arrive flattened to 1-D. This is the CPU path and the reference of the CUDA kernel
     (titanlite.ops.master_adamw), which does it in one pass: 28 bytes per parameter, as many as
@@ -45,6 +46,7 @@ def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: floa
     clip); where `keep` is true nothing changes (a skipped step, decided on the device). The formula
     is torch.optim.AdamW's.
     """
+    own_master, w = w is None, p if w is None else w
     g = g.float() / grad_scale
     m_new = m.lerp(g, 1 - beta1)
     v_new = v * beta2 + (1 - beta2) * g * g
@@ -52,15 +54,17 @@ def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: floa
     m.copy_(torch.where(keep, m, m_new))
     v.copy_(torch.where(keep, v, v_new))
     w.copy_(w_new)
-    p.copy_(w_new)
+    if not own_master:
+        p.copy_(w_new)
 
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW for low-precision (bf16) parameters with fp32 master weights (training.bf16_params).
 
-    The model then computes in bf16 with no autocast, so the per-step casts of every weight to bf16
-    (forward) and of every weight gradient back to fp32 (backward) disappear; the optimizer state
-    holds, per parameter, the fp32 `master`, the fp32 moments and the step. On CUDA with `fused` the
+    Autocast then finds the block matrices in bf16 already, so the per-step casts of each weight to
+    bf16 (forward) and of each weight gradient back to fp32 (backward) disappear; the optimizer state
+    holds, per bf16 parameter, the fp32 `master`, the fp32 moments and the step. fp32 parameters
+    (embeddings, norms, output head) are their own masters: plain AdamW. On CUDA with `fused` the
     update is one Triton kernel per parameter (titanlite.ops.master_adamw); elsewhere
     `_master_adamw_update` runs eagerly (the reference the kernel is tested against).
     Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
@@ -77,15 +81,17 @@ class MasterAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                  "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32),
-                                 "master": p.detach().float().clone()}
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+                if p.dtype != torch.float32:
+                    self.state[p]["master"] = p.detach().float().clone()
 
     @torch.no_grad()
     def sync_masters(self) -> None:
         """Take the masters from the parameters (after weights were loaded into the model alone)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p]["master"].copy_(p)
+                if "master" in self.state[p]:
+                    self.state[p]["master"].copy_(p)
 
     def load_state_dict(self, state_dict) -> None:
         # torch's loader casts every floating-point state tensor to its parameter's dtype, which would
@@ -128,7 +134,7 @@ class MasterAdamW(torch.optim.Optimizer):
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             st = self.state[p]
-            update(p.view(-1), p.grad.view(-1), st["master"].view(-1), st["exp_avg"].view(-1),
+            update(p.view(-1), p.grad.view(-1), st["master"].view(-1) if "master" in st else None, st["exp_avg"].view(-1),
                    st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
                    bias1, bias2_sqrt, scale, keep)
         torch._foreach_copy_(steps, [step] * len(steps))

@@ -113,8 +113,8 @@ def test_bf16_params_resume_exactly(tmp_path):
     whole = losses(train(tmp_path, "--training.bf16_params"))
     t = train(tmp_path, "--training.bf16_params", "--checkpoint.load_step", "4")
     assert losses(t) == {5: whole[5], 6: whole[6]}
-    master = next(iter(t.optimizer.state.values()))["master"]
-    assert master.dtype == torch.float32
+    masters = [st["master"] for st in t.optimizer.state.values() if "master" in st]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
 
 
 def test_reused_stager_survives_dcp_closing_it(base, tmp_path, monkeypatch):

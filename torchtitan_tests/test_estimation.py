@@ -48,8 +48,9 @@ def test_model_state_matches_analytic(mode, world):
 
 @pytest.mark.parametrize("mode,world", [("none", 1), ("ddp", 2)])
 def test_bf16_params_model_state(mode, world):
-    """training.bf16_params: bf16 parameters and gradients (2 + 2 bytes), fp32 masters and moments in
-    the optimizer (12 bytes), counted as optimizer state although MasterAdamW creates them up front."""
+    """training.bf16_params: the blocks' matrices in bf16 (2 + 2 bytes of weight and gradient, 12 of
+    fp32 master and moments), the rest in fp32 (4 + 4, and 8 of moments); MasterAdamW's state counts
+    as optimizer state although it is created up front."""
     from estimation.fake_run import FakeRun
 
     run = FakeRun(_cfg("--parallelism.data_parallel", "ddp", "--training.bf16_params"), world)
@@ -57,10 +58,14 @@ def test_bf16_params_model_state(mode, world):
         state = run.step(2).model_state
     finally:
         run.close()
-    n = run.args.num_params()
-    rope = 2 * 32 * run.args.hdim * 4
-    grads = "comm_buffers" if mode == "ddp" else "grads"  # ddp: views into its (bf16) buckets
-    for k, v in {"params": 2 * n + rope, grads: 2 * n, "optimizer": 12 * n}.items():
+    a = run.args
+    n, q, kv = a.num_params(), a.n_heads * a.hdim, a.kv_heads * a.hdim
+    low = a.n_layers * (2 * a.dim * q + 2 * a.dim * kv + 3 * a.dim * a.ffn_dim)  # wq wo, wk wv, w1 w2 w3
+    high = n - low  # embeddings, norms, output head
+    rope = 2 * 32 * a.hdim * 4
+    grads = "comm_buffers" if mode == "ddp" else "grads"  # ddp: views into its buckets
+    for k, v in {"params": 2 * low + 4 * high + rope, grads: 2 * low + 4 * high,
+                 "optimizer": 12 * low + 8 * high}.items():
         assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
 
 
