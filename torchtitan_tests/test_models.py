@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from titanlite.models import MODEL_REGISTRY, build_model, get_model_args
@@ -91,3 +92,24 @@ def test_chunked_loss_without_autograd_matches():
     ref = cross_entropy(h @ w.t(), y)
     with torch.no_grad():
         assert torch.allclose(chunked_linear_cross_entropy(h, w, y, chunk_tokens=10), ref, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_loss_gradients_on_cuda():
+    """The CUDA path adds each chunk's output-weight gradient with one fp32-output GEMM (addmm with
+    out_dtype, into the accumulator): gradients of the autograd reference, at bf16 input precision."""
+    from titanlite.ops.loss import chunked_linear_cross_entropy, cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 300, 64, device="cuda", requires_grad=True)
+    w = (0.1 * torch.randn(500, 64, device="cuda")).requires_grad_()
+    y = torch.randint(0, 500, (2, 300), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 weight, bf16 matmuls: the default path
+        loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=128)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    hr, wr = h.detach().bfloat16().float().requires_grad_(), w.detach().bfloat16().float().requires_grad_()
+    ref = cross_entropy(hr @ wr.t(), y)
+    rh, rw = torch.autograd.grad(ref, (hr, wr))
+    assert gw.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-3)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-5)
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-5)
