@@ -82,8 +82,11 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                  "exp_avg": torch.zeros_like(p, dtype=torch.float32),
                                  "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-                if p.dtype != torch.float32:
-                    self.state[p]["master"] = p.detach().float().clone()
+                if p.dtype != torch.float32:  # the fp32 initialisation apply_bf16_params kept, else p's value
+                    master = getattr(p, "fp32_master", None)
+                    self.state[p]["master"] = p.detach().float().clone() if master is None else master
+                    if master is not None:
+                        del p.fp32_master
 
     @torch.no_grad()
     def sync_masters(self) -> None:
