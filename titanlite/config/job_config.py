@@ -71,11 +71,11 @@ class Training:
     mixed_precision_param: Literal["bfloat16", "float32"] = doc(
         "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU always runs float32")
     bf16_params: bool = doc(
-        False, "store the parameters in bf16 (1 device or ddp): the optimizer keeps fp32 master weights and "
-               "updates them and the bf16 copy in one fused kernel, so no autocast casts weights to bf16 and "
-               "gradients back each step; gradients are bf16 (ddp all-reduces them in bf16), and the residual "
-               "stream is bf16, as under fsdp. Any device (CPU too). Faster, but converged measurably worse in a "
-               "200-step test: see docs/performance.md")
+        False, "store the transformer blocks' matrices in bf16 (1 device or ddp), with fp32 master weights in the "
+               "optimizer, started from the fp32 init and updated with the bf16 copy in one fused kernel: autocast "
+               "stays on and finds them in bf16, so their per-step casts go; embeddings, norms, head and residual "
+               "stream stay fp32 as under autocast (ddp all-reduces the matrices' gradients in bf16). Any device "
+               "(CPU too). Faster; not yet shown to converge as autocast does: see docs/performance.md")
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")
