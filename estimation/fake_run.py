@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
-from titanlite.config.manager import data_parallel_mode, hsdp_shape
+from titanlite.config.manager import autocasts, data_parallel_mode, hsdp_shape
 from titanlite.parallel.data_parallel import apply_ddp
 from titanlite.parallel.parallelize import apply_ac, apply_bf16_params, apply_float8
 
@@ -153,7 +153,6 @@ class FakeRun:
         self.mode = data_parallel_mode(cfg, world)
         self.args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         self.seq_len = cfg.training.seq_len
-        self.bf16 = cfg.training.mixed_precision_param == "bfloat16"
         self.dims = ParallelDims(world, 0, 0, torch.device("cpu"), self.mode)
         # The data-parallel code reads dims.device for GPU-only choices (bf16 FSDP params): show it CUDA.
         self.gpu_dims = dataclasses.replace(self.dims, device=torch.device("cuda", 0))
@@ -221,8 +220,7 @@ class FakeRun:
     def _forward_loss(self, tokens):
         from titanlite.ops.loss import cross_entropy
 
-        # The trainer autocasts to bf16 on CUDA unless FSDP's policy gives bf16 parameters.
-        autocast = self.bf16 and self.mode not in ("fsdp", "hsdp")
+        autocast = autocasts(self.cfg, self.world)  # as the trainer on CUDA; the fake tensors run on CPU
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             if self.cfg.training.loss == "chunked":  # as Trainer.forward_loss
                 return self.model(tokens, tokens)

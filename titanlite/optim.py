@@ -82,11 +82,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                  "exp_avg": torch.zeros_like(p, dtype=torch.float32),
                                  "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-                if p.dtype != torch.float32:  # the fp32 initialisation apply_bf16_params kept, else p's value
-                    master = getattr(p, "fp32_master", None)
+                master = vars(p).pop("fp32_master", None)  # the fp32 init that apply_bf16_params kept
+                if p.dtype != torch.float32:
                     self.state[p]["master"] = p.detach().float().clone() if master is None else master
-                    if master is not None:
-                        del p.fp32_master
 
     @torch.no_grad()
     def sync_masters(self) -> None:
@@ -136,8 +134,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 lr_on_device[lr] = lr
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
-            st = self.state[p]
-            update(p.view(-1), p.grad.view(-1), st["master"].view(-1) if "master" in st else None, st["exp_avg"].view(-1),
+            st, master = self.state[p], self.state[p].get("master")
+            update(p.view(-1), p.grad.view(-1), None if master is None else master.view(-1), st["exp_avg"].view(-1),
                    st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
                    bias1, bias2_sqrt, scale, keep)
         torch._foreach_copy_(steps, [step] * len(steps))

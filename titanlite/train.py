@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from titanlite.checkpoint import Checkpointer, Preemption, checkpoint_root
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli, to_dict, to_toml
+from titanlite.config.manager import autocasts
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
 from titanlite.metrics.breakdown import gather_breakdown, rank_breakdown
@@ -129,11 +130,8 @@ class Trainer:
         self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
-        # bf16 autocast on GPU unless FSDP's policy gives bf16 parameters; with training.bf16_params on
-        # any device (it stores the block matrices in bf16 and leaves the rest to autocast)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.training.bf16_params or (
-            self.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-            and self.dims.mode not in ("fsdp", "hsdp")) else None)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                         if autocasts(cfg, self.dims.world_size, self.device.type) else None)
         # training.loss=cross_entropy takes logits; compiled with the blocks (chunked compiles itself)
         self.loss_fn = (torch.compile(cross_entropy) if cfg.compile.enable and cfg.training.loss == "cross_entropy"
                         else cross_entropy)
@@ -200,7 +198,7 @@ class Trainer:
         return inputs.to(self.device, non_blocking=nb), labels.to(self.device, non_blocking=nb)
 
     def forward_loss(self, inputs, labels) -> torch.Tensor:
-        """Mean token loss, under bf16 autocast where __init__ chose it."""
+        """Mean token loss, under bf16 autocast where the run uses it (config.manager.autocasts)."""
         with self.autocast if self.autocast is not None else contextlib.nullcontext():
             if self.cfg.training.loss == "chunked":
                 return self.model(inputs, labels)  # linear + loss in chunks inside the model's forward

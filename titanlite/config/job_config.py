@@ -69,7 +69,8 @@ class Training:
     steps: int = doc(1000, "optimizer steps to train", min=1)
     max_norm: float = doc(1.0, "gradient-norm clip (0 disables clipping)", min=0.0)
     mixed_precision_param: Literal["bfloat16", "float32"] = doc(
-        "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU always runs float32")
+        "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU runs float32 "
+                    "unless training.bf16_params")
     bf16_params: bool = doc(
         False, "store the transformer blocks' matrices in bf16 (1 device or ddp), with fp32 master weights in the "
                "optimizer, started from the fp32 init and updated with the bf16 copy in one fused kernel: autocast "

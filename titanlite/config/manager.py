@@ -221,6 +221,16 @@ def data_parallel_mode(cfg: JobConfig, world: int) -> str:
     return cfg.parallelism.data_parallel if world > 1 else "none"
 
 
+def autocasts(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
+    """Does the forward run under bf16 autocast? On CUDA in bf16, unless FSDP's policy gives bf16
+    parameters; with training.bf16_params on any device (the blocks' matrices are stored in bf16,
+    everything else is left to autocast)."""
+    if cfg.training.bf16_params:
+        return True
+    return (device_type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
+            and data_parallel_mode(cfg, world) not in ("fsdp", "hsdp"))
+
+
 def check_world_size(cfg: JobConfig, world: int) -> None:
     """Several ranks need a data-parallel mode: without one they would train unsynchronised copies."""
     if world > 1 and cfg.parallelism.data_parallel == "none":

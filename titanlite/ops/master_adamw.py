@@ -2,11 +2,11 @@
 
 One launch per parameter, one pass over its elements: read the low-precision gradient, the fp32
 master and both fp32 moments; write the master, the moments and the low-precision parameter (an
-fp32 parameter is its own master: `w` None, `p` written once). It
-computes what `titanlite.optim._master_adamw_update` computes (the CPU path and the reference of
-the tests); a kernel of our own rather than torch.compile of that function because, at ~220
-parameters, the compiled function's per-call guards and wrappers cost ~150 us of host time each
-(34 ms a step on an H100, longer than the update itself), where a Triton launch costs a few us.
+fp32 parameter is its own master: `w` None, `p` written once). It computes what
+`titanlite.optim._master_adamw_update` computes (the CPU path and the reference of the tests); a
+kernel of our own rather than torch.compile of that function because, at ~220 parameters, the
+compiled function's per-call guards and wrappers cost ~150 us of host time each (34 ms a step on an
+H100, longer than the update itself), where a Triton launch costs a few us.
 """
 
 from __future__ import annotations
@@ -43,6 +43,6 @@ def master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: float
                         bias1, bias2_sqrt, grad_scale, keep) -> None:
     """Same arguments as titanlite.optim._master_adamw_update (tensors contiguous, any shape)."""
     n, own_master = p.numel(), w is None
-    _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else w, m, v, n, lr, grad_scale, keep.view(torch.uint8), bias1, bias2_sqrt,
-                                      wd, beta1, beta2, eps, BLOCK=BLOCK, OWN_MASTER=own_master,
+    _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else w, m, v, n, lr, grad_scale, keep.view(torch.uint8),
+                                      bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK, OWN_MASTER=own_master,
                                       num_warps=4)

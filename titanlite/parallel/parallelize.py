@@ -127,7 +127,7 @@ def apply_compile(model: nn.Module, cfg) -> None:
 # ------------------------------------------------------------------------------------- bf16 params
 def apply_bf16_params(model: nn.Module) -> None:
     """Store the transformer blocks' matrices in bf16 (training.bf16_params); their fp32 masters are
-    the optimizer's (titanlite.optim.MasterAdamW), taken from these values.
+    the optimizer's (titanlite.optim.MasterAdamW).
 
     Autocast multiplies by exactly these roundings of the fp32 weights, so with bf16 weights its casts
     (each weight every forward) and the fp32 copies of their gradients go, and nothing else changes:
