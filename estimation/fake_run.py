@@ -123,21 +123,20 @@ class _NoBucketRebuild:
         return getattr(self._reducer, name)
 
 
-def _one_pass_update(tracker, p, g, w, m, v, *args) -> None:
-    """MasterAdamW's update as the GPU runs it: one kernel reading g, w, m, v and writing w, m, v, p
-    (w None: p is its own master) (its eager reference, run here for the values, would be counted op
+def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
+    """MasterAdamW's update as the GPU runs it: one kernel reading g, p, lo, m, v and writing p, lo, m, v
+    (lo None: p is its own master) (its eager reference, run here for the values, would be counted op
     by op: about 4x the bytes)."""
     from titanlite.optim import _master_adamw_update
 
     counting, tracker.count_work = tracker.count_work, False
     try:
-        _master_adamw_update(p, g, w, m, v, *args)
+        _master_adamw_update(p, g, lo, m, v, *args)
     finally:
         tracker.count_work = counting
     if counting:
         work = tracker.work[tracker.phase]
-        master = 2 * nbytes(p) if w is None else nbytes(p) + 2 * nbytes(w)
-        work.memory_bytes += nbytes(g) + master + 2 * (nbytes(m) + nbytes(v))
+        work.memory_bytes += nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v)) + (0 if lo is None else 2 * nbytes(lo))
         work.ops += 1
 
 
@@ -201,7 +200,7 @@ class FakeRun:
             from titanlite.optim import build_optimizer
 
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
-            # MasterAdamW (bf16_params) creates its state (fp32 masters, moments) up front, not in a step
+            # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
             if hasattr(self.optimizer, "update_fn"):
                 self.optimizer.update_fn = functools.partial(_one_pass_update, self.tracker)

@@ -10,6 +10,8 @@ import torch
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none") -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
+    training.bf16_params or optimizer.moments_dtype=bfloat16: titanlite's MasterAdamW (fp32 masters of
+    the bf16 parameters; moments in either dtype).
     dp_mode "zero1": ZeroRedundancyOptimizer shards the AdamW state over the data-parallel ranks
     (each rank steps its share of the parameters, then broadcasts them); the update is the same.
     training.cuda_graphs on CUDA: capturable AdamW with the lr as a device tensor (the scheduler
@@ -23,8 +25,9 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     fused = device.type == "cuda" if o.fused == "auto" else o.fused == "true"
     graphs = cfg.training.cuda_graphs and device.type == "cuda"
     lr = torch.tensor(o.lr, device=device) if graphs else o.lr
-    if cfg.training.bf16_params:  # its step is capturable as it is, given the lr as a device tensor
-        return MasterAdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    if cfg.training.bf16_params or o.moments_dtype == "bfloat16":  # capturable as it is, given the lr on device
+        return MasterAdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
+                           moments_dtype=getattr(torch, o.moments_dtype))
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
         kw.update(capturable=True)
@@ -35,68 +38,98 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     return torch.optim.AdamW(groups, **kw)
 
 
-def _master_adamw_update(p, g, w, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
-                         bias1, bias2_sqrt, grad_scale, keep) -> None:
-    """AdamW on one fp32 master weight `w`, writing the low-precision parameter `p` from it (`w` None:
-    `p` is fp32 and its own master).
+def master_low_bits(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The int16 that, with `p` (bf16, `w` rounded to nearest even), gives back the fp32 `w` exactly.
 
-    All tensors arrive flattened to 1-D. This is the CPU path and the reference of the CUDA kernel
-    (titanlite.ops.master_adamw), which does it in one pass: 28 bytes per parameter, as many as
-    torch's fused AdamW moves on fp32 parameters. `grad_scale` divides the gradient (the grad-norm
-    clip); where `keep` is true nothing changes (a skipped step, decided on the device). The formula
-    is torch.optim.AdamW's.
+    An fp32 number is its bf16 rounding's 16 bits followed by 16 more; as integers, the fp32 bits are
+    bf16 bits x 65536 plus a signed remainder, and the remainder of a nearest rounding fits in 16
+    bits, with one exception: a value exactly halfway between two bf16 numbers that rounded down (to
+    the even one) leaves +32768. It is stored as 32767, moving that master by one fp32 unit in the
+    last place (2^-24 of it) to where it rounds to the same bf16 number. So MasterAdamW's masters
+    cost 2 bytes a parameter, not 4, and each step moves 2 fewer.
     """
-    own_master, w = w is None, p if w is None else w
+    lo = w.view(torch.int32) - p.view(torch.int16).to(torch.int32) * 65536
+    return lo.clamp_(max=32767).to(torch.int16)
+
+
+def join_master(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of the bf16 parameter `p` and its low bits `lo` (master_low_bits)."""
+    return (p.view(torch.int16).to(torch.int32) * 65536 + lo).view(torch.float32)
+
+
+def _master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
+                         bias1, bias2_sqrt, grad_scale, keep) -> None:
+    """AdamW on one fp32 master weight, held as the bf16 parameter `p` and its low bits `lo`
+    (join_master), rewriting both from the updated master (`lo` None: `p` is fp32 and its own master).
+
+    All tensors arrive flattened to 1-D. The moments `m`, `v` are fp32 or bf16 (optimizer.moments_dtype);
+    the arithmetic is fp32 either way. This is the CPU path and the reference of the CUDA kernel
+    (titanlite.ops.master_adamw), which does it in one pass. `grad_scale` divides the gradient (the
+    grad-norm clip); where `keep` is true nothing changes (a skipped step, decided on the device).
+    The formula is torch.optim.AdamW's.
+    """
+    w = p if lo is None else join_master(p, lo)
     g = g.float() / grad_scale
-    m_new = m.lerp(g, 1 - beta1)
-    v_new = v * beta2 + (1 - beta2) * g * g
+    m_new = m.float().lerp(g, 1 - beta1)
+    v_new = v.float() * beta2 + (1 - beta2) * g * g
     w_new = torch.where(keep, w, w * (1 - lr * wd) - (lr / bias1) * m_new / (v_new.sqrt() / bias2_sqrt + eps))
-    m.copy_(torch.where(keep, m, m_new))
-    v.copy_(torch.where(keep, v, v_new))
-    w.copy_(w_new)
-    if not own_master:
-        p.copy_(w_new)
+    m.copy_(torch.where(keep, m.float(), m_new))  # rounds to nearest even where the moments are bf16
+    v.copy_(torch.where(keep, v.float(), v_new))
+    p.copy_(w_new)
+    if lo is not None:
+        lo.copy_(master_low_bits(w_new, p))
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW for low-precision (bf16) parameters with fp32 master weights (training.bf16_params).
+    """AdamW for bf16 parameters with fp32 master weights (training.bf16_params), and with fp32 or bf16
+    moments (optimizer.moments_dtype).
 
     Autocast then finds the block matrices in bf16 already, so the per-step casts of each weight to
-    bf16 (forward) and of each weight gradient back to fp32 (backward) disappear; the optimizer state
-    holds, per bf16 parameter, the fp32 `master`, the fp32 moments and the step. fp32 parameters
-    (embeddings, norms, output head) are their own masters: plain AdamW. On CUDA with `fused` the
-    update is one Triton kernel per parameter (titanlite.ops.master_adamw); elsewhere
+    bf16 (forward) and of each weight gradient back to fp32 (backward) disappear. The optimizer state
+    holds, per bf16 parameter, the low 16 bits of its fp32 master (`master_lo`: the parameter holds the
+    high ones, see master_low_bits; `master(p)` gives the fp32 value), the moments and the step. fp32
+    parameters (embeddings, norms, output head) are their own masters: plain AdamW. On CUDA with
+    `fused` the update is one Triton kernel per parameter (titanlite.ops.master_adamw); elsewhere
     `_master_adamw_update` runs eagerly (the reference the kernel is tested against).
     Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, fused: bool = False):
+                 weight_decay: float = 1e-2, fused: bool = False, moments_dtype: torch.dtype = torch.float32):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.fused = fused
         self.update_fn = None  # replaces the per-parameter update (estimation's fake run counts the kernel's bytes)
         self.grad_scale = self.found_inf = None
         for group in self.param_groups:
             for p in group["params"]:
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"MasterAdamW holds fp32 and bf16 parameters, not {p.dtype}")
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                 "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+                                 "exp_avg": torch.zeros_like(p, dtype=moments_dtype),
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=moments_dtype)}
                 master = vars(p).pop("fp32_master", None)  # the fp32 init that apply_bf16_params kept
-                if p.dtype != torch.float32:
-                    self.state[p]["master"] = p.detach().float().clone() if master is None else master
+                if p.dtype == torch.bfloat16:  # the parameter is its master's rounding; no fp32_master: equal
+                    self.state[p]["master_lo"] = (torch.zeros_like(p, dtype=torch.int16) if master is None
+                                                  else master_low_bits(master, p.detach()))
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master weight of parameter `p` (`p` itself when it is fp32)."""
+        lo = self.state[p].get("master_lo")
+        return p.detach() if lo is None else join_master(p.detach(), lo)
 
     @torch.no_grad()
     def sync_masters(self) -> None:
         """Take the masters from the parameters (after weights were loaded into the model alone)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if "master" in self.state[p]:
-                    self.state[p]["master"].copy_(p)
+                if "master_lo" in self.state[p]:
+                    self.state[p]["master_lo"].zero_()
 
     def load_state_dict(self, state_dict) -> None:
         # torch's loader casts every floating-point state tensor to its parameter's dtype, which would
-        # round the fp32 masters and moments to bf16: copy the saved values into the fp32 state instead.
+        # round fp32 moments to bf16: copy the saved values into this optimizer's state instead (which
+        # also converts moments saved in the other optimizer.moments_dtype).
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         own = {p: dict(self.state[p]) for g in self.param_groups for p in g["params"]}
@@ -134,8 +167,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 lr_on_device[lr] = lr
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
-            st, master = self.state[p], self.state[p].get("master")
-            update(p.view(-1), p.grad.view(-1), None if master is None else master.view(-1), st["exp_avg"].view(-1),
+            st, lo = self.state[p], self.state[p].get("master_lo")
+            update(p.view(-1), p.grad.view(-1), None if lo is None else lo.view(-1), st["exp_avg"].view(-1),
                    st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
                    bias1, bias2_sqrt, scale, keep)
         torch._foreach_copy_(steps, [step] * len(steps))

@@ -1,8 +1,11 @@
-"""training.bf16_params: bf16 parameters with fp32 master weights in titanlite.optim.MasterAdamW.
+"""training.bf16_params: bf16 parameters with fp32 master weights in titanlite.optim.MasterAdamW
+(the parameter holds each master's high 16 bits, the optimizer state the low 16), and
+optimizer.moments_dtype=bfloat16.
 
 The update must be torch's AdamW (same formula, same clip and skip semantics) applied to the fp32
-masters, with each bf16 parameter the rounding of its master; checkpoints must keep the masters in
-fp32; the combinations it cannot serve are refused by name. Loss parity with the fp32 path and under
+masters, with each bf16 parameter the rounding of its master; bf16 moments must be the rounding of
+what the fp32 arithmetic gives; checkpoints must keep the masters exact; the combinations it cannot
+serve are refused by name. Loss parity with the fp32 path and under
 ddp is in test_parallel.py, resume in test_checkpoint.py.
 """
 
@@ -11,19 +14,20 @@ import torch
 
 from titanlite.config import ConfigError, load_config
 from titanlite.config.manager import check_combination
-from titanlite.optim import MasterAdamW
+from titanlite.optim import MasterAdamW, join_master, master_low_bits
 
 SHAPES = [(64, 32), (32,), (48, 64)]
 
 
-def pair(fused: bool = False, device: str = "cpu"):
+def pair(fused: bool = False, device: str = "cpu", moments=torch.float32):
     """torch AdamW on fp32 parameters, and MasterAdamW on their bf16 twins (bf16-exact start)."""
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(s, device=device).bfloat16().float()) for s in SHAPES]
     low = [torch.nn.Parameter(p.detach().bfloat16()) for p in ref]
     groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    return ref, low, torch.optim.AdamW(groups(ref), **kw), MasterAdamW(groups(low), fused=fused, **kw)
+    return ref, low, torch.optim.AdamW(groups(ref), **kw), MasterAdamW(groups(low), fused=fused,
+                                                                      moments_dtype=moments, **kw)
 
 
 def steps(ref, low, a, b, n: int, scale: float = 2.0):
@@ -47,10 +51,11 @@ def test_update_is_torch_adamw_on_the_masters(fused, device):
     steps(ref, low, a, b, 5)
     for r, w in zip(ref, low):
         st = b.state[w]
-        assert st["master"].dtype == st["exp_avg"].dtype == torch.float32 and w.dtype == torch.bfloat16
-        torch.testing.assert_close(st["master"], r.detach(), rtol=1e-6, atol=1e-6)
+        assert st["master_lo"].dtype == torch.int16 and st["exp_avg"].dtype == torch.float32
+        assert w.dtype == torch.bfloat16
+        torch.testing.assert_close(b.master(w), r.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(st["exp_avg"], a.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
-        assert torch.equal(w.detach(), st["master"].bfloat16())  # the parameter is its master, rounded
+        assert torch.equal(w.detach(), b.master(w).bfloat16())  # the parameter is its master, rounded
         assert st["step"].item() == 5
     assert (low[0].cpu().float() != pair()[1][0].float()).any()  # it moved
 
@@ -72,11 +77,68 @@ def test_found_inf_skips_everything_on_device(fused, device):
             assert torch.equal(v, before[id(w)][k]), k  # step counter included
     steps(ref, low, a, b, 1)  # and the next finite step is torch's third
     for r, w in zip(ref, low):
-        torch.testing.assert_close(b.state[w]["master"], r.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.master(w), r.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_state_dict_round_trip_keeps_fp32():
-    """torch's Optimizer.load_state_dict casts state to the parameter dtype (bf16 here): ours must not."""
+def test_master_is_the_parameter_and_its_low_bits():
+    """master_low_bits / join_master give back every fp32 value exactly, but those halfway between two
+    bf16 numbers that round down, which move by one fp32 ulp and still round to the same bf16."""
+    torch.manual_seed(0)
+    w = torch.cat([torch.randn(100_000) * 0.02, torch.randn(1000) * 1e4, torch.tensor([0.0, -0.0, 1e-40, -1e-40])])
+    w[:2000] = ((w[:2000].view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)  # exactly halfway
+    half = (w.view(torch.int32) & 0xFFFF) == 0x8000  # these, and the odd random one
+    p = w.bfloat16()
+    back = join_master(p, master_low_bits(w, p))
+    assert torch.equal(back[~half], w[~half]) and torch.equal(back.bfloat16(), p)
+    moved = (back.view(torch.int32) - w.view(torch.int32)).abs()
+    assert moved.max() == 1 and 500 < moved[half].sum() < 1500  # the ties that rounded to the even below
+
+
+def test_bf16_moments_are_the_rounded_fp32_moments():
+    """optimizer.moments_dtype=bfloat16: the arithmetic is fp32 and only the stored moments round, so
+    the first step's masters equal the fp32-moment optimizer's and its moments are their rounding;
+    over 20 steps the masters stay within a few 1e-4 of torch's fp32 AdamW (lr 1e-2)."""
+    _, low, _, b32 = pair()
+    ref, low16, a, b16 = pair(moments=torch.bfloat16)
+    for w, w16 in zip(low, low16):
+        w.grad = w16.grad = torch.randn(w.shape).bfloat16()
+    b32.step()
+    b16.step()
+    for w, w16 in zip(low, low16):
+        assert torch.equal(b16.master(w16), b32.master(w))
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert b16.state[w16][k].dtype == torch.bfloat16
+            assert torch.equal(b16.state[w16][k], b32.state[w][k].bfloat16()), k
+    ref, low16, a, b16 = pair(moments=torch.bfloat16)
+    steps(ref, low16, a, b16, 20)
+    for r, w in zip(ref, low16):
+        assert (b16.master(w) - r.detach()).abs().max() < 1e-3
+        assert (b16.master(w) - r.detach()).abs().max() > 0  # the rounding is there
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_kernel_is_the_eager_update(moments):
+    """The Triton kernel writes what the eager reference writes: the bf16 parameters and the masters'
+    low bits bit for bit, the moments within fp32 rounding."""
+    ref, low, _, eager = pair(moments=moments)
+    _, low_gpu, _, fused = pair(True, "cuda", moments)
+    for _ in range(3):
+        for w, wg in zip(low, low_gpu):
+            w.grad = torch.randn(w.shape).bfloat16()
+            wg.grad = w.grad.cuda()
+        eager.step()
+        fused.step()
+    for w, wg in zip(low, low_gpu):
+        torch.testing.assert_close(fused.master(wg).cpu(), eager.master(w), rtol=1e-6, atol=1e-7)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[wg][k].cpu().float(), eager.state[w][k].float(),
+                                       rtol=1e-5 if moments == torch.float32 else 8e-3, atol=1e-7)
+
+
+def test_state_dict_round_trip_is_exact():
+    """torch's Optimizer.load_state_dict casts state to the parameter dtype (bf16 here): ours must not;
+    moments saved in one moments_dtype load into the other."""
     ref, low, a, b = pair()
     steps(ref, low, a, b, 3)
     sd = b.state_dict()
@@ -84,9 +146,13 @@ def test_state_dict_round_trip_keeps_fp32():
     b2.load_state_dict(sd)
     for w, w2 in zip(low, low2):
         for k, v in b.state[w].items():
-            assert b2.state[w2][k].dtype == torch.float32 and torch.equal(b2.state[w2][k], v), k
+            assert b2.state[w2][k].dtype == v.dtype and torch.equal(b2.state[w2][k], v), k
+    _, low3, _, b3 = pair(moments=torch.bfloat16)
+    b3.load_state_dict(sd)
+    for w, w3 in zip(low, low3):
+        assert torch.equal(b3.state[w3]["exp_avg"], b.state[w]["exp_avg"].bfloat16())
     b2.sync_masters()  # after a model-only load, the masters follow the parameters
-    assert all(torch.equal(b2.state[w]["master"], w.float()) for w in low2)
+    assert all(torch.equal(b2.master(w), w.float()) for w in low2)
 
 
 @pytest.mark.parametrize("extra, world, needle", [
@@ -98,6 +164,17 @@ def test_state_dict_round_trip_keeps_fp32():
 def test_unsupported_combinations_are_refused(extra, world, needle):
     with pytest.raises(ConfigError, match=needle):
         check_combination(load_config(["--training.bf16_params", *extra]), world)
+
+
+@pytest.mark.parametrize("extra, world, needle", [
+    (["--parallelism.data_parallel", "fsdp"], 2, "moments_dtype=bfloat16 with parallelism.data_parallel=fsdp"),
+    (["--parallelism.data_parallel", "zero1"], 2, "data_parallel=zero1: the bf16 moments live in"),
+    (["--optimizer.beta2", "0.999"], 1, "beta2=0.999: the second moment would change by less than bf16"),
+])
+def test_bf16_moments_unsupported_combinations_are_refused(extra, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_combination(load_config(["--optimizer.moments_dtype", "bfloat16", *extra]), world)
+    check_combination(load_config(["--optimizer.moments_dtype", "bfloat16", "--parallelism.data_parallel", "ddp"]), 2)
 
 
 def test_supported_combinations_pass():
@@ -128,7 +205,7 @@ def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch
             loaded = torch.full(p.shape, 0.01 * (i + 1), device=p.device).to(p.dtype).float()
             assert torch.equal(p.float(), loaded)
             if p.dtype == torch.bfloat16:  # fp32 parameters are their own masters
-                masters += torch.equal(t.optimizer.state[p]["master"], loaded)
+                masters += torch.equal(t.optimizer.master(p), loaded)
         assert masters == sum(p.dtype == torch.bfloat16 for p in t.model.parameters()) > 0
     finally:
         t.close()

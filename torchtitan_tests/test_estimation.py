@@ -46,14 +46,16 @@ def test_model_state_matches_analytic(mode, world):
         assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
 
 
-@pytest.mark.parametrize("mode,world", [("none", 1), ("ddp", 2)])
-def test_bf16_params_model_state(mode, world):
-    """training.bf16_params: the blocks' matrices in bf16 (2 + 2 bytes of weight and gradient, 12 of
-    fp32 master and moments), the rest in fp32 (4 + 4, and 8 of moments); MasterAdamW's state counts
-    as optimizer state although it is created up front."""
+@pytest.mark.parametrize("mode,world,moments", [("none", 1, 4), ("ddp", 2, 4), ("none", 1, 2)])
+def test_bf16_params_model_state(mode, world, moments):
+    """training.bf16_params: the blocks' matrices in bf16 (2 + 2 bytes of weight and gradient, 2 of
+    the master's low bits and 2 x 4 of moments, 2 x 2 with bf16 moments), the rest in fp32 (4 + 4,
+    and the moments); MasterAdamW's state counts as optimizer state although it is created up front."""
     from estimation.fake_run import FakeRun
 
-    run = FakeRun(_cfg("--parallelism.data_parallel", "ddp", "--training.bf16_params"), world)
+    dtype = {4: "float32", 2: "bfloat16"}[moments]
+    run = FakeRun(_cfg("--parallelism.data_parallel", "ddp", "--training.bf16_params",
+                       "--optimizer.moments_dtype", dtype), world)
     try:
         state = run.step(2).model_state
     finally:
@@ -65,7 +67,7 @@ def test_bf16_params_model_state(mode, world):
     rope = 2 * 32 * a.hdim * 4
     grads = "comm_buffers" if mode == "ddp" else "grads"  # ddp: views into its buckets
     for k, v in {"params": 2 * low + 4 * high + rope, grads: 2 * low + 4 * high,
-                 "optimizer": 12 * low + 8 * high}.items():
+                 "optimizer": (2 + 2 * moments) * low + 2 * moments * high}.items():
         assert abs(state[k] - v) / v < 0.01, (k, state[k], v)
 
 

@@ -46,6 +46,10 @@ class Optimizer:
     weight_decay: float = doc(0.1, "decoupled weight decay (not applied to norms and biases)", min=0.0)
     fused: Literal["auto", "true", "false"] = doc("auto", "fused AdamW kernel; auto = on for CUDA")
     fuse_clip: bool = doc(True, "with the fused kernel, apply the grad-norm clip inside it (saves a pass over the grads)")
+    moments_dtype: Literal["float32", "bfloat16"] = doc(
+        "float32", "dtype of AdamW's two moments; bfloat16 halves their memory and the update's traffic (the "
+                   "arithmetic stays fp32, stores round to nearest), with titanlite's MasterAdamW: 1 device or ddp, "
+                   "beta2 <= 0.99. Convergence: docs/performance.md")
 
 
 @dataclass

@@ -298,6 +298,19 @@ def check_bf16_params(cfg: JobConfig, world: int) -> None:
         raise ConfigError("training.bf16_params needs training.mixed_precision_param=bfloat16")
 
 
+def check_moments_dtype(cfg: JobConfig, world: int) -> None:
+    """optimizer.moments_dtype=bfloat16 runs in MasterAdamW, and only with a beta2 bf16 can follow."""
+    mode = data_parallel_mode(cfg, world)
+    if mode in BF16_PARAMS_UNSUPPORTED:  # the same optimizer, the same modes
+        raise ConfigError(f"optimizer.moments_dtype=bfloat16 with parallelism.data_parallel={mode}: the bf16 moments "
+                          f"live in titanlite's MasterAdamW, which steps plain tensors; use ddp or one GPU")
+    if cfg.optimizer.beta2 > 0.99:
+        # v moves by (1 - beta2) of its gap to g^2 per step; bf16 keeps 8 significant bits, so below
+        # about 1% the rounded store swallows the move and v stops following the gradients
+        raise ConfigError(f"optimizer.moments_dtype=bfloat16 with optimizer.beta2={cfg.optimizer.beta2}: the second "
+                          f"moment would change by less than bf16 resolves per step; use beta2 <= 0.99 or float32")
+
+
 def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
@@ -308,6 +321,8 @@ def check_combination(cfg: JobConfig, world: int) -> None:
         check_cuda_graphs(cfg, world)
     if cfg.training.bf16_params:
         check_bf16_params(cfg, world)
+    if cfg.optimizer.moments_dtype == "bfloat16":
+        check_moments_dtype(cfg, world)
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
