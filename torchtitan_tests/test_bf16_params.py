@@ -119,11 +119,13 @@ def test_bf16_moments_are_the_rounded_fp32_moments():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 def test_kernel_is_the_eager_update(moments):
-    """The Triton kernel writes what the eager reference writes: the bf16 parameters and the masters'
-    low bits bit for bit, the moments within fp32 rounding."""
+    """The Triton kernel writes what the eager reference writes: the masters within fp32 rounding, each
+    bf16 parameter its master's rounding, the moments within fp32 rounding (bf16 moments: one bf16
+    step where the two fp32 results straddle a rounding boundary). bf16 moments one step only: after
+    such a one-step difference the next update differs by lr x that step."""
     ref, low, _, eager = pair(moments=moments)
     _, low_gpu, _, fused = pair(True, "cuda", moments)
-    for _ in range(3):
+    for _ in range(3 if moments == torch.float32 else 1):
         for w, wg in zip(low, low_gpu):
             w.grad = torch.randn(w.shape).bfloat16()
             wg.grad = w.grad.cuda()
@@ -131,9 +133,10 @@ def test_kernel_is_the_eager_update(moments):
         fused.step()
     for w, wg in zip(low, low_gpu):
         torch.testing.assert_close(fused.master(wg).cpu(), eager.master(w), rtol=1e-6, atol=1e-7)
+        assert torch.equal(wg.detach(), fused.master(wg).bfloat16())
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(fused.state[wg][k].cpu().float(), eager.state[w][k].float(),
-                                       rtol=1e-5 if moments == torch.float32 else 8e-3, atol=1e-7)
+                                       rtol=1e-5 if moments == torch.float32 else 2 ** -7, atol=1e-7)
 
 
 def test_state_dict_round_trip_is_exact():
