@@ -123,8 +123,18 @@ def test_kernel_is_the_eager_update(moments):
     bf16 parameter its master's rounding, the moments within fp32 rounding (bf16 moments: one bf16
     step where the two fp32 results straddle a rounding boundary). bf16 moments one step only: after
     such a one-step difference the next update differs by lr x that step."""
-    ref, low, _, eager = pair(moments=moments)
-    _, low_gpu, _, fused = pair(True, "cuda", moments)
+    torch.manual_seed(0)
+    masters = [torch.randn(s) for s in SHAPES]  # off the bf16 grid: the low bits are not zero
+
+    def build(device, fused):
+        params = [torch.nn.Parameter(w.to(device).bfloat16()) for w in masters]
+        for p, w in zip(params, masters):
+            p.fp32_master = w.to(device)
+        groups = [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+        return params, MasterAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused, moments_dtype=moments)
+
+    (low, eager), (low_gpu, fused) = build("cpu", False), build("cuda", True)
+    assert all(torch.equal(eager.master(w), m) for w, m in zip(low, masters))
     for _ in range(3 if moments == torch.float32 else 1):
         for w, wg in zip(low, low_gpu):
             w.grad = torch.randn(w.shape).bfloat16()
