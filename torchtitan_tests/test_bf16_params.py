@@ -245,3 +245,19 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
     finally:
         eager.close()
         captured.close()
+
+
+def test_fused_clip_norm_covers_both_dtypes():
+    """With MasterAdamW the clip takes the norm over bf16 and fp32 gradients (grouped by dtype for
+    torch's multi-tensor kernel) and hands the optimizer max_norm / norm."""
+    from titanlite.parallel.data_parallel import clip_grad_norm
+
+    _, low, _, b = pair()
+    model = torch.nn.Module()
+    model.params = torch.nn.ParameterList(low + [torch.nn.Parameter(torch.randn(40))])  # one fp32 parameter
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, dtype=p.dtype)
+    norm = clip_grad_norm(model, 1.0, b)
+    expected = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm()
+    assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert b.grad_scale.item() == pytest.approx(expected.item() / 1.0, rel=1e-6)

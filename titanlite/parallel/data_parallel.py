@@ -140,9 +140,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
     from torch.distributed.tensor import DTensor
 
     if optimizer is not None and fused_clip_supported(optimizer):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        # accumulated in fp32 whatever the gradients' dtype (bf16 under training.bf16_params)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        by_dtype = {}  # bf16 and fp32 under training.bf16_params
+        for p in model.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        # one list per dtype: torch's multi-tensor kernel takes lists of one dtype, and a mixed list
+        # falls back to one reduction per tensor (1.6 ms a step at 1.36B on an H100); fp32 sums either way
+        norms = [n for grads in by_dtype.values() for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
         if max_norm > 0:  # same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
             optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
         if skip_nonfinite:
