@@ -35,6 +35,8 @@ CASES = {  # name -> (ranks, overrides)
     "b8_ac_full": (1, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
     "b4_float8": (1, ["--training.local_batch_size", "4", "--float8.enable"]),
     "b4_bf16_params": (1, ["--training.local_batch_size", "4", "--training.bf16_params"]),
+    "b4_bf16_params_bf16_moments": (1, ["--training.local_batch_size", "4", "--training.bf16_params",
+                                        "--optimizer.moments_dtype", "bfloat16"]),
     "fsdp2_b4": (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel", "fsdp"]),
 }
 
