@@ -80,7 +80,8 @@ class Training:
                "optimizer, started from the fp32 init and updated with the bf16 copy in one fused kernel: autocast "
                "stays on and finds them in bf16, so their per-step casts go; embeddings, norms, head and residual "
                "stream stay fp32 as under autocast (ddp all-reduces the matrices' gradients in bf16). Any device "
-               "(CPU too). Masters are kept as 16 low bits beside the bf16 weight (exact). Faster and smaller; converged as autocast in 200-step runs: see docs/performance.md")
+               "(CPU too). Masters are kept as 16 low bits beside the bf16 weight (exact). Faster and smaller; "
+               "converged as autocast in 200-step runs: see docs/performance.md")
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")
