@@ -101,6 +101,7 @@ class MasterAdamW(torch.optim.Optimizer):
         self.fused = fused
         self.update_fn = None  # replaces the per-parameter update (estimation's fake run counts the kernel's bytes)
         self.grad_scale = self.found_inf = None
+        self._launch_cache: dict = {}  # per (group, fp32 or bf16 parameters): the fused launch's tables
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
@@ -155,22 +156,34 @@ class MasterAdamW(torch.optim.Optimizer):
         steps = [self.state[p]["step"] for _, p in work]
         step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
-        update = self.update_fn or _master_adamw_update
+        update, many = self.update_fn or _master_adamw_update, None
         if self.update_fn is None and self.fused and device.type == "cuda":
             from titanlite.ops.master_adamw import master_adamw_update as update
+            if not torch.cuda.is_current_stream_capturing():  # the launch's tables are copied in per change
+                from titanlite.ops.master_adamw import master_adamw_update_many as many
         # The kernel reads the lr from the device: a tensor already under CUDA graphs (the scheduler
         # writes it in place), else one 0-d copy per distinct value
         lr_on_device = {}
-        for group, p in work:
+        for i, group in enumerate(self.param_groups):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 lr_on_device[lr] = lr
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
-            st, lo = self.state[p], self.state[p].get("master_lo")
-            update(p.view(-1), p.grad.view(-1), None if lo is None else lo.view(-1), st["exp_avg"].view(-1),
-                   st["exp_avg_sq"].view(-1), lr_on_device[lr], group["weight_decay"], beta1, beta2, eps,
-                   bias1, bias2_sqrt, scale, keep)
+            args = (lr_on_device[lr], group["weight_decay"], beta1, beta2, eps, bias1, bias2_sqrt, scale, keep)
+            for own in (True, False):  # fp32 parameters (their own masters), then bf16 ones with low bits
+                ps = [p for g, p in work if g is group and ("master_lo" not in self.state[p]) == own]
+                if not ps:
+                    continue
+                st = [self.state[p] for p in ps]
+                los = None if own else [s["master_lo"] for s in st]
+                if many is not None and many(ps, [p.grad for p in ps], los, [s["exp_avg"] for s in st],
+                                             [s["exp_avg_sq"] for s in st], *args,
+                                             cache=self._launch_cache.setdefault((i, own), {})):
+                    continue
+                for p, s in zip(ps, st):
+                    update(p.view(-1), p.grad.view(-1), None if own else s["master_lo"].view(-1),
+                           s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1), *args)
         torch._foreach_copy_(steps, [step] * len(steps))
         self.grad_scale = self.found_inf = None
         return None

@@ -117,33 +117,43 @@ def test_bf16_moments_are_the_rounded_fp32_moments():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", ["one per group", "one per parameter"])
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
-def test_kernel_is_the_eager_update(moments):
+def test_kernel_is_the_eager_update(moments, launch, monkeypatch):
     """The Triton kernel writes what the eager reference writes: the masters within fp32 rounding, each
     bf16 parameter its master's rounding, the moments within fp32 rounding (bf16 moments: one bf16
     step where the two fp32 results straddle a rounding boundary). bf16 moments one step only: after
-    such a one-step difference the next update differs by lr x that step."""
+    such a one-step difference the next update differs by lr x that step. Both launches: all of a
+    group's parameters at once, and parameter by parameter (what runs under CUDA graph capture)."""
+    import titanlite.ops.master_adamw as kernels
+
+    if launch == "one per parameter":
+        monkeypatch.setattr(kernels, "master_adamw_update_many", lambda *a, **k: False)
     torch.manual_seed(0)
-    masters = [torch.randn(s) for s in SHAPES]  # off the bf16 grid: the low bits are not zero
+    masters = [torch.randn(s) for s in SHAPES + [(5000,)]]  # off the bf16 grid: the low bits are not zero
 
     def build(device, fused):
-        params = [torch.nn.Parameter(w.to(device).bfloat16()) for w in masters]
+        params = [torch.nn.Parameter(w.to(device).bfloat16()) for w in masters[:-1]]
         for p, w in zip(params, masters):
             p.fp32_master = w.to(device)
-        groups = [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1]], "weight_decay": 0.0}]
+        params.append(torch.nn.Parameter(masters[-1].to(device)))  # an fp32 parameter: its own master
+        groups = [{"params": [params[0], params[2], params[3]], "weight_decay": 0.1},
+                  {"params": [params[1]], "weight_decay": 0.0}]
         return params, MasterAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused, moments_dtype=moments)
 
     (low, eager), (low_gpu, fused) = build("cpu", False), build("cuda", True)
     assert all(torch.equal(eager.master(w), m) for w, m in zip(low, masters))
     for _ in range(3 if moments == torch.float32 else 1):
         for w, wg in zip(low, low_gpu):
-            w.grad = torch.randn(w.shape).bfloat16()
+            w.grad = torch.randn(w.shape).to(w.dtype)
             wg.grad = w.grad.cuda()
         eager.step()
         fused.step()
+    launched = sum("table" in c for c in fused._launch_cache.values())  # (group, dtype) pairs launched at once
+    assert launched == (3 if launch == "one per group" else 0)
     for w, wg in zip(low, low_gpu):
         torch.testing.assert_close(fused.master(wg).cpu(), eager.master(w), rtol=1e-6, atol=1e-7)
-        assert torch.equal(wg.detach(), fused.master(wg).bfloat16())
+        assert torch.equal(wg.detach(), fused.master(wg).to(wg.dtype))
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(fused.state[wg][k].cpu().float(), eager.state[w][k].float(),
                                        rtol=1e-5 if moments == torch.float32 else 2 ** -7, atol=1e-7)

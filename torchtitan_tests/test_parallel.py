@@ -257,6 +257,19 @@ def test_float8_emulated_converts_and_trains(tmp_path):
     assert all(map(torch.isfinite, torch.tensor(losses)))
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_float8_backward_fast_accum_reaches_the_backward_gemms(tmp_path, fast):
+    """float8.backward_fast_accum sets fast accumulation on the two backward GEMMs of every Float8Linear;
+    the forward GEMM has it either way (torchao's default)."""
+    t = Trainer(load_config(base_args(tmp_path, 4, "--float8.enable", "--float8.emulate",
+                                      f"--float8.backward_fast_accum={str(fast).lower()}")))
+    configs = [m.config for m in t.model.modules() if type(m).__name__ == "Float8Linear"]
+    assert configs and all(c.gemm_config_output.use_fast_accum for c in configs)
+    assert all(c.gemm_config_grad_input.use_fast_accum == c.gemm_config_grad_weight.use_fast_accum == fast
+               for c in configs)
+    t.close()
+
+
 # ------------------------------------------------------------------------------------- CUDA graphs
 def test_cuda_graphs_on_cpu_log_once_and_match_eager(reference, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="titanlite"):

@@ -152,6 +152,9 @@ class Float8:
     enable: bool = doc(False, "float8 training via torchao on H100-class GPUs")
     recipe: Literal["tensorwise", "rowwise"] = doc("tensorwise", "torchao float8 scaling recipe")
     emulate: bool = doc(False, "emulate float8 (for tests on CPU / older GPUs; slow)")
+    backward_fast_accum: bool = doc(False, "the backward's float8 GEMMs (input and weight gradients) "
+                                    "accumulate in the GPU's fast, less precise mode, as the forward's "
+                                    "always do (faster; torchao keeps them precise by default)")
 
 
 @dataclass

@@ -1,14 +1,24 @@
-"""The fused master-weight AdamW update as a Triton kernel (CUDA; imported only there).
+"""The fused master-weight AdamW update as Triton kernels (CUDA; imported only there).
 
-One launch per parameter, one pass over its elements: read the gradient, the bf16 parameter with
-its master's low bits (together the fp32 master, see titanlite.optim.master_low_bits) and both
-moments; write the parameter, the low bits and the moments. With fp32 moments that is 26 bytes per
-bf16 parameter (torch's fused AdamW moves 28 on fp32 parameters), with bf16 moments 18. An fp32
-parameter is its own master (`lo` None). It computes what `titanlite.optim._master_adamw_update`
-computes (the CPU path and the reference of the tests); a kernel of our own rather than
-torch.compile of that function because, at ~220 parameters, the compiled function's per-call guards
-and wrappers cost ~150 us of host time each (34 ms a step on an H100, longer than the update
-itself), where a Triton launch costs a few us.
+One pass over each parameter's elements: read the gradient, the bf16 parameter with its master's
+low bits (together the fp32 master, see titanlite.optim.master_low_bits) and both moments; write the
+parameter, the low bits and the moments. With fp32 moments that is 26 bytes per bf16 parameter
+(torch's fused AdamW moves 28 on fp32 parameters), with bf16 moments 18. An fp32 parameter is its own
+master (`lo` None). It computes what `titanlite.optim._master_adamw_update` computes (the CPU path
+and the reference of the tests).
+
+Two entry points share the update (`_update_block`):
+- `master_adamw_update_many`: one launch for a whole list of parameters. Each program finds its
+  parameter and block through two tables built once per list of sizes; each tensor's address is an
+  element offset from the list's first tensor (a small table, rebuilt when a gradient moves). At
+  ~220 parameters this is what keeps the update off the host's critical path: launching a Triton
+  kernel costs tens of microseconds of Python, and one launch per parameter came to 15-18 ms of
+  host time a step on an H100, more than the 8-12 ms the update takes on the GPU, which left the
+  GPU idle at the start of every step.
+- `master_adamw_update`: one parameter per launch. Used while a CUDA graph is being captured (the
+  tables' host-to-device copies cannot be captured) and where an address is not 16-byte aligned.
+A kernel of our own rather than torch.compile of the reference, because the compiled function's
+per-call guards cost ~150 us of host time per parameter.
 """
 
 from __future__ import annotations
@@ -21,38 +31,59 @@ BLOCK = 1024
 
 
 @triton.jit
+def _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, offs, mask, lr, scale, bias1, bias2_sqrt,
+                  wd, beta1, beta2, eps, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) / scale
+    p = tl.load(p_ptr + offs, mask=mask)
+    if OWN_MASTER:
+        w = p
+    else:  # fp32 bits = bf16 bits x 65536 + the signed low 16
+        hi = p.to(tl.int16, bitcast=True).to(tl.int32) * 65536
+        w = (hi + tl.load(lo_ptr + offs, mask=mask).to(tl.int32)).to(tl.float32, bitcast=True)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    m = m + (1 - beta1) * (g - m)  # torch.lerp's formula for a weight below 0.5
+    v = v * beta2 + (1 - beta2) * g * g
+    w = w * (1 - lr * wd) - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+    if BF16_MOMENTS:
+        tl.store(m_ptr + offs, m.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(v_ptr + offs, v.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+    if OWN_MASTER:
+        tl.store(p_ptr + offs, w, mask=mask)
+    else:
+        # Round to nearest even on the bits (what torch's .to(bfloat16) does), then the remainder
+        bits = w.to(tl.int32, bitcast=True)
+        hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(p_ptr + offs, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(lo_ptr + offs, tl.minimum(bits - hi * 65536, 32767).to(tl.int16), mask=mask)  # see master_low_bits
+
+
+@triton.jit
 def _kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, n, lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr,
             wd, beta1, beta2, eps, BLOCK: tl.constexpr, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
     if tl.load(keep_ptr) == 0:  # a skipped step (non-finite gradients) writes nothing
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        lr = tl.load(lr_ptr)
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) / tl.load(scale_ptr)
-        p = tl.load(p_ptr + offs, mask=mask)
-        if OWN_MASTER:
-            w = p
-        else:  # fp32 bits = bf16 bits x 65536 + the signed low 16
-            hi = p.to(tl.int16, bitcast=True).to(tl.int32) * 65536
-            w = (hi + tl.load(lo_ptr + offs, mask=mask).to(tl.int32)).to(tl.float32, bitcast=True)
-        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-        m = m + (1 - beta1) * (g - m)  # torch.lerp's formula for a weight below 0.5
-        v = v * beta2 + (1 - beta2) * g * g
-        w = w * (1 - lr * wd) - (lr / tl.load(bias1_ptr)) * m / (tl.sqrt(v) / tl.load(bias2_sqrt_ptr) + eps)
-        if BF16_MOMENTS:
-            tl.store(m_ptr + offs, m.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(v_ptr + offs, v.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
-        else:
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
-        if OWN_MASTER:
-            tl.store(p_ptr + offs, w, mask=mask)
-        else:
-            # Round to nearest even on the bits (what torch's .to(bfloat16) does), then the remainder
-            bits = w.to(tl.int32, bitcast=True)
-            hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            tl.store(p_ptr + offs, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-            tl.store(lo_ptr + offs, tl.minimum(bits - hi * 65536, 32767).to(tl.int16), mask=mask)  # see master_low_bits
+        _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, offs, offs < n, tl.load(lr_ptr), tl.load(scale_ptr),
+                      tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr), wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS)
+
+
+@triton.jit
+def _many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, table_ptr, block_param_ptr, block_index_ptr, lr_ptr,
+                 scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr, wd, beta1, beta2, eps, BLOCK: tl.constexpr,
+                 OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+    if tl.load(keep_ptr) == 0:
+        b = tl.program_id(0)
+        row = table_ptr + tl.load(block_param_ptr + b).to(tl.int64) * 6  # p, g, lo, m, v offsets; numel
+        offs = tl.load(block_index_ptr + b).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # Every offset is a multiple of 8 elements (checked on the host): 16-byte vector accesses
+        _update_block(p_ptr + tl.multiple_of(tl.load(row), 8), g_ptr + tl.multiple_of(tl.load(row + 1), 8),
+                      lo_ptr + tl.multiple_of(tl.load(row + 2), 8), m_ptr + tl.multiple_of(tl.load(row + 3), 8),
+                      v_ptr + tl.multiple_of(tl.load(row + 4), 8), offs, offs < tl.load(row + 5),
+                      tl.load(lr_ptr), tl.load(scale_ptr), tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr),
+                      wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS)
 
 
 def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
@@ -62,3 +93,48 @@ def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: floa
     _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, n, lr, grad_scale, keep.view(torch.uint8),
                                       bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK, OWN_MASTER=own_master,
                                       BF16_MOMENTS=m.dtype == torch.bfloat16, num_warps=4)
+
+
+def _offset_table(roles: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """Per parameter: each role's element offset from that role's first tensor, then the numel.
+    None when some offset is not a multiple of 8 elements (16 bytes at 2-byte dtypes)."""
+    cols = []
+    for ts in roles:
+        base, size = ts[0].data_ptr(), ts[0].element_size()
+        offs = [t.data_ptr() - base for t in ts]
+        if base % 16 or any(o % (8 * size) for o in offs):
+            return None
+        cols.append([o // size for o in offs])
+    cols.append([t.numel() for t in roles[0]])
+    return torch.tensor(list(zip(*cols)), dtype=torch.int64).to(roles[0][0].device, non_blocking=True)
+
+
+def _block_tables(numels: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each program of the launch: its parameter's index and its block's index in that parameter."""
+    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels])
+    param = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
+    index = torch.arange(param.numel(), dtype=torch.int32) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks).int()
+    return param.to(device), index.to(device)
+
+
+def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, beta2: float, eps: float,
+                             bias1, bias2_sqrt, grad_scale, keep, cache: dict) -> bool:
+    """master_adamw_update over lists of tensors (all bf16 parameters with their low bits `los`, or all
+    fp32 with `los` None; one weight decay, one lr) in one launch. `cache` (a dict the caller keeps)
+    holds the tables between steps. Returns False, having done nothing, when an address is not
+    aligned; the caller then updates parameter by parameter."""
+    own_master = los is None
+    roles = [ps, gs, ps if own_master else los, ms, vs]
+    where = tuple(t.data_ptr() for ts in roles for t in ts)
+    if cache.get("where") != where:
+        cache.update(where=where, table=_offset_table(roles))
+    if cache["table"] is None:
+        return False
+    numels = tuple(p.numel() for p in ps)
+    if cache.get("numels") != numels:
+        cache.update(numels=numels, blocks=_block_tables(numels, ps[0].device))
+    param, index = cache["blocks"]
+    _many_kernel[(param.numel(),)](*(ts[0] for ts in roles), cache["table"], param, index, lr, grad_scale,
+                                   keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK,
+                                   OWN_MASTER=own_master, BF16_MOMENTS=ms[0].dtype == torch.bfloat16, num_warps=4)
+    return True

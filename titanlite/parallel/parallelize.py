@@ -45,7 +45,7 @@ def apply_float8(model: nn.Module, cfg, dims) -> None:
         where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
         raise ConfigError(f"float8.enable needs a GPU with compute capability >= 8.9 (H100-class), not {where}; "
                           f"set float8.emulate=true to emulate it (tests only, slow)")
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
     sharded = dims.mode in ("fsdp", "hsdp")
     if f8.recipe == "tensorwise":
@@ -53,6 +53,9 @@ def apply_float8(model: nn.Module, cfg, dims) -> None:
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=f8.emulate)
     else:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(f8.recipe), emulate=f8.emulate)
+    if f8.backward_fast_accum:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     convert_to_float8_training(model, config=config, module_filter_fn=_float8_eligible)
 
 
