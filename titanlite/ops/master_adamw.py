@@ -14,9 +14,11 @@ Two entry points share the update (`_update_block`):
   ~220 parameters this is what keeps the update off the host's critical path: launching a Triton
   kernel costs tens of microseconds of Python, and one launch per parameter came to 15-18 ms of
   host time a step on an H100, more than the 8-12 ms the update takes on the GPU, which left the
-  GPU idle at the start of every step.
+  GPU idle at the start of every step. It needs every address and size to be a multiple of 8
+  elements (it then moves 16 bytes per access, as the per-parameter kernel does).
 - `master_adamw_update`: one parameter per launch. Used while a CUDA graph is being captured (the
-  tables' host-to-device copies cannot be captured) and where an address is not 16-byte aligned.
+  tables' host-to-device copies cannot be captured) and where an address or a size is not a
+  multiple of 8 elements.
 A kernel of our own rather than torch.compile of the reference, because the compiled function's
 per-call guards cost ~150 us of host time per parameter.
 """
@@ -78,10 +80,11 @@ def _many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, table_ptr, block_param_ptr,
         b = tl.program_id(0)
         row = table_ptr + tl.load(block_param_ptr + b).to(tl.int64) * 6  # p, g, lo, m, v offsets; numel
         offs = tl.load(block_index_ptr + b).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        # Every offset is a multiple of 8 elements (checked on the host): 16-byte vector accesses
-        _update_block(p_ptr + tl.multiple_of(tl.load(row), 8), g_ptr + tl.multiple_of(tl.load(row + 1), 8),
-                      lo_ptr + tl.multiple_of(tl.load(row + 2), 8), m_ptr + tl.multiple_of(tl.load(row + 3), 8),
-                      v_ptr + tl.multiple_of(tl.load(row + 4), 8), offs, offs < tl.load(row + 5),
+        # The table holds every offset and numel divided by 8: multiplied back here, the compiler knows
+        # them to be multiples of 8, which is what lets it issue 16-byte loads and stores (a masked
+        # access is vectorised only when the mask is known to be constant over the vector)
+        _update_block(p_ptr + tl.load(row) * 8, g_ptr + tl.load(row + 1) * 8, lo_ptr + tl.load(row + 2) * 8,
+                      m_ptr + tl.load(row + 3) * 8, v_ptr + tl.load(row + 4) * 8, offs, offs < tl.load(row + 5) * 8,
                       tl.load(lr_ptr), tl.load(scale_ptr), tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr),
                       wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS)
 
@@ -96,16 +99,18 @@ def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: floa
 
 
 def _offset_table(roles: list[list[torch.Tensor]]) -> torch.Tensor | None:
-    """Per parameter: each role's element offset from that role's first tensor, then the numel.
-    None when some offset is not a multiple of 8 elements (16 bytes at 2-byte dtypes)."""
+    """Per parameter: each role's element offset from that role's first tensor, then the numel, all
+    divided by 8. None when one of them is not a multiple of 8 (or a first tensor is not 16-byte aligned)."""
     cols = []
     for ts in roles:
         base, size = ts[0].data_ptr(), ts[0].element_size()
         offs = [t.data_ptr() - base for t in ts]
         if base % 16 or any(o % (8 * size) for o in offs):
             return None
-        cols.append([o // size for o in offs])
-    cols.append([t.numel() for t in roles[0]])
+        cols.append([o // (8 * size) for o in offs])
+    if any(t.numel() % 8 for t in roles[0]):
+        return None
+    cols.append([t.numel() // 8 for t in roles[0]])
     return torch.tensor(list(zip(*cols)), dtype=torch.int64).to(roles[0][0].device, non_blocking=True)
 
 
@@ -121,8 +126,8 @@ def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, b
                              bias1, bias2_sqrt, grad_scale, keep, cache: dict) -> bool:
     """master_adamw_update over lists of tensors (all bf16 parameters with their low bits `los`, or all
     fp32 with `los` None; one weight decay, one lr) in one launch. `cache` (a dict the caller keeps)
-    holds the tables between steps. Returns False, having done nothing, when an address is not
-    aligned; the caller then updates parameter by parameter."""
+    holds the tables between steps. Returns False, having done nothing, when an address or a size is
+    not a multiple of 8 elements; the caller then updates parameter by parameter."""
     own_master = los is None
     roles = [ps, gs, ps if own_master else los, ms, vs]
     where = tuple(t.data_ptr() for ts in roles for t in ts)
