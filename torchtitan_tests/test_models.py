@@ -21,6 +21,13 @@ def test_llama_1_36b_param_count_and_flops():
     assert args.flops_per_token(2048) == expected == 8_341_802_496
 
 
+def test_llama_134m_param_count():
+    n, args = count("llama", "134M")
+    embeddings = 2 * 32000 * 768  # untied input and output
+    block = 4 * 768 * 768 + 3 * 768 * 2048 + 2 * 768  # attention, SwiGLU, two norms
+    assert n == embeddings + 12 * block + 768 == 134_105_856 == args.num_params()
+
+
 def test_qwen3_1_8b_param_count():
     n, args = count("qwen3", "1.8B")
     assert n == 1_830_395_904 == args.num_params()
