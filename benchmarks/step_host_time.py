@@ -2,11 +2,14 @@
 
     python benchmarks/step_host_time.py --job.config_file train_configs/llama_1.36b_h100.toml \\
         --training.local_batch_size 4 --training.dataset synthetic --data.num_workers 0 [--training.bf16_params]
+        [--launch parameter]
 
 Any training option is accepted. After 10 warm-up steps it times 20 free-running steps (the rate a
 run sees), then 10 steps each started on an idle GPU, where `host opt.step` is the host time spent
 launching the optimizer step and `opt GPU span` the GPU time between its first and last kernel.
 A host time above the GPU span means the launches, not the kernels, set the pace of that phase.
+`--launch parameter` (bf16_params / bf16 moments only) makes MasterAdamW launch its kernel once per
+parameter, as it does under CUDA graph capture, instead of once per group and dtype.
 """
 
 import sys
@@ -19,7 +22,15 @@ from titanlite.train import Trainer
 
 
 def main() -> None:
-    trainer = Trainer(load_config(sys.argv[1:]))
+    args = sys.argv[1:]
+    if "--launch" in args:
+        i = args.index("--launch")
+        if args[i + 1] == "parameter":
+            import titanlite.ops.master_adamw as kernels
+
+            kernels.master_adamw_update_many = lambda *a, **k: False  # declines: the per-parameter path runs
+        del args[i:i + 2]
+    trainer = Trainer(load_config(args))
     opt, inner = trainer.optimizer, trainer.optimizer.step
     host, spans = [], []
 
