@@ -2,7 +2,7 @@
 
     python benchmarks/step_host_time.py --job.config_file train_configs/llama_1.36b_h100.toml \\
         --training.local_batch_size 4 --training.dataset synthetic --data.num_workers 0 [--training.bf16_params]
-        [--launch parameter]
+        [--launch group|parameter]
 
 Any training option is accepted. After 10 warm-up steps it times 20 free-running steps (the rate a
 run sees), then 10 steps each started on an idle GPU, where `host opt.step` is the host time spent
@@ -25,6 +25,9 @@ def main() -> None:
     args = sys.argv[1:]
     if "--launch" in args:
         i = args.index("--launch")
+        if args[i + 1:i + 2] not in (["group"], ["parameter"]):
+            print("step_host_time: --launch takes group or parameter", file=sys.stderr)
+            sys.exit(2)
         if args[i + 1] == "parameter":
             import titanlite.ops.master_adamw as kernels
 

@@ -89,7 +89,8 @@ class MasterAdamW(torch.optim.Optimizer):
     holds, per bf16 parameter, the low 16 bits of its fp32 master (`master_lo`: the parameter holds the
     high ones, see master_low_bits; `master(p)` gives the fp32 value), the moments and the step. fp32
     parameters (embeddings, norms, output head) are their own masters: plain AdamW. On CUDA with
-    `fused` the update is one Triton kernel per parameter (titanlite.ops.master_adamw); elsewhere
+    `fused` the update is one Triton pass over each parameter, launched once per group and dtype (once
+    per parameter while a CUDA graph is captured; titanlite.ops.master_adamw); elsewhere
     `_master_adamw_update` runs eagerly (the reference the kernel is tested against).
     Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
