@@ -6,6 +6,7 @@ when asked, and prints one table: tokens/s per GPU, MFU, peak memory, titanlite 
 
   python benchmarks/compare_peer.py --suite h100 --peer          # on 1 GPU
   python benchmarks/compare_peer.py --suite scaling --ngpus 1,2,4 --peer
+  python benchmarks/compare_peer.py --only compile --extra="--training.cuda_graphs"   # A/B one knob
 Steady state = log steps after --skip (compile and warm-up excluded), averaged.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -155,6 +157,8 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="also run the peer at each world size (bf16)")
     ap.add_argument("--peer-float8", action="store_true", help="also run the peer with float8 tensorwise")
     ap.add_argument("--peer-modes", default="fsdp", help="peer parallel modes for >1 GPU: fsdp,ddp")
+    ap.add_argument("--extra", default="", help="titanlite arguments appended to every configuration "
+                    "(its rows are named 'NAME +EXTRA'), for A/B of one knob against the suite")
     ap.add_argument("--timeout", type=int, default=420)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/compare_peer"))
     a = ap.parse_args()
@@ -180,6 +184,8 @@ def main() -> None:
             for name, args in SUITES[suite].items():
                 if only and name not in only:
                     continue
+                if a.extra:
+                    name, args = f"{name} +{a.extra.replace('--', '')}", args + shlex.split(a.extra)
                 res = run_titanlite(name, args, ngpu, a.steps, a.skip, out, a.timeout)
                 mode = next((args[i + 1] for i, x in enumerate(args) if x == "--parallelism.data_parallel"), "fsdp")
                 ref = peer.get(mode) or peer.get("fsdp")
