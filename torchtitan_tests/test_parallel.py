@@ -322,3 +322,35 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + CUDA_GRAPHS_UNSUPPORTED["fsdp"]]
+
+
+# ------------------------------------------------------------------------- copy-engine all-gather
+def test_copy_engine_all_gather_refuses_what_cannot_use_it():
+    """Only FSDP gathers parameters (ddp refused before torchrun, in one line); on CPU there is no NCCL
+    symmetric memory to gather into, and the error says so instead of failing inside NCCL."""
+    import types
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel.data_parallel import copy_engine_all_gather
+
+    r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2",
+                        "--parallelism.data_parallel", "ddp", "--parallelism.fsdp_copy_engine_all_gather"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel=ddp: "
+        "only fsdp and hsdp gather parameters"]
+    model = build_model(get_model_args("llama", "debug"))
+    with pytest.raises(ConfigError, match="needs CUDA GPUs and NCCL, not cpu"):
+        copy_engine_all_gather(model, types.SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)  # restored after the test
+    Trainer(load_config(base_args(tmp_path, 4, "--compile.enable", "--training.steps", "1"))).close()
+    assert inductor_config.coordinate_descent_tuning is False
+    Trainer(load_config(base_args(tmp_path, 4, "--compile.enable", "--compile.coordinate_descent_tuning",
+                                  "--training.steps", "1"))).close()
+    assert inductor_config.coordinate_descent_tuning is True

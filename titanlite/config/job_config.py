@@ -119,6 +119,10 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
         "default", "fsdp: free gathered params after forward (default = all but the root)")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")
+    fsdp_copy_engine_all_gather: bool = doc(
+        False, "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory under NCCL's zero-CTA policy, "
+               "so the GPU's copy engines move them over NVLink and the SMs stay with the GEMMs "
+               "(sets NCCL_CTA_POLICY=2 unless it is set; needs NCCL >= 2.28 symmetric memory)")
 
 
 @dataclass
@@ -145,6 +149,9 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = doc(False, "torch.compile each TransformerBlock (fullgraph) and the loss")
     mode: str = doc("default", "torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    coordinate_descent_tuning: bool = doc(
+        False, "Inductor tunes each generated Triton kernel's block sizes and warps by benchmarking them "
+               "(float8's cast kernels gain most; about 90 s more compile on the first run, cached after)")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from titanlite.config.manager import hsdp_shape
+from titanlite.config.manager import ConfigError, hsdp_shape
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -71,7 +71,58 @@ def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+    if p.fsdp_copy_engine_all_gather:
+        copy_engine_all_gather(model, dims)
     return model
+
+
+def copy_engine_all_gather(model: nn.Module, dims) -> None:
+    """Every FSDP module gathers into NCCL symmetric memory. Under the zero-CTA policy (set before the
+    communicator was made, in init_distributed) NCCL then moves the bytes with the copy engines
+    instead of SM kernels, so the gathers stop taking SMs from the GEMMs they overlap."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if dims.device.type != "cuda":
+        raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not "
+                          f"{dims.device.type}")
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if hasattr(FSDPModule, "set_symm_mem_for_comm"):  # torch 2.13 has it
+        for m in modules:
+            m.set_symm_mem_for_comm("NCCL")
+        return
+    comm = _symmetric_all_gather()  # torch 2.11: the same through FSDP's custom all-gather hook
+    for m in modules:
+        m.set_custom_all_gather(comm)
+
+
+def _symmetric_all_gather():
+    """An FSDP all-gather whose output buffers come from NCCL's symmetric-memory pool and are
+    registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    except ImportError:
+        symm_mem = None
+    if symm_mem is None or not hasattr(symm_mem, "get_mem_pool") or not hasattr(FSDPModule, "set_custom_all_gather"):
+        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL symmetric memory and FSDP's custom "
+                          f"all-gather, which torch {torch.__version__} lacks")
+    symm_mem.set_backend("NCCL")
+    dist.barrier()  # the communicator must exist before the first rendezvous
+
+    class SymmetricAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            # one pool, reused step after step: a buffer is registered once, not per gather
+            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            symm_mem.rendezvous(output_tensor, group=group.group_name)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    return SymmetricAllGather()
 
 
 def apply_fsdp(model: nn.Module, cfg, dims) -> nn.Module:

@@ -59,5 +59,9 @@ def init_distributed(cfg) -> ParallelDims:
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather:
+            # Copy-engine all-gather needs the communicator created under the zero-CTA policy; NCCL
+            # reads the variable when the communicator is made, below.
+            os.environ.setdefault("NCCL_CTA_POLICY", "2")
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))

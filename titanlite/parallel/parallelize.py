@@ -122,6 +122,11 @@ def apply_ac(model: nn.Module, cfg) -> None:
 def apply_compile(model: nn.Module, cfg) -> None:
     """torch.compile each TransformerBlock with fullgraph=True: small graphs, compiled once and
     reused by every block of the same shape; FSDP/DDP hooks stay outside the compiled regions."""
+    if cfg.compile.coordinate_descent_tuning:
+        import torch._inductor.config as inductor_config
+
+        # Inductor's config is process-wide: the loss kernel compiled later is tuned too.
+        inductor_config.coordinate_descent_tuning = True
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True, mode=cfg.compile.mode))
     model.compile_loss = True  # the chunked loss compiles its per-chunk softmax/gradient kernel

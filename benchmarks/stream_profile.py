@@ -1,0 +1,148 @@
+"""Where a (multi-GPU) training step's GPU time goes, stream by stream.
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/stream_profile.py \\
+        --job.config_file train_configs/llama_1.36b_h100.toml --training.dataset synthetic \\
+        --parallelism.data_parallel fsdp [any training option]
+
+After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 more (CUDA activity
+only) and prints, for the first and the last rank:
+- the compute stream (the one with the most GEMM time): its kernel time per step by category, and
+  its idle time, with the part of it spent while an NCCL kernel ran on another stream (exposed
+  communication);
+- how long NCCL kernels run per step, and how much compute-kernel time overlaps them: the same GEMMs
+  taking longer here than in a one-GPU run is the cost of sharing SMs and memory with the
+  collectives, which no timeline of exposed communication shows;
+- the other streams' kernels (NCCL, copy-engine memcpy, FSDP's copy-in).
+Compare a 1-GPU run with the N-GPU one: `--nproc_per_node 1` profiles the same step alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+
+def category(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if "cudnn" in low or "flash" in low or "fmha" in low:
+        return "attention"
+    if "split_with_sizes_copy" in low or "chunk_cat" in low:
+        return "fsdp copy"
+    if "triton" in low:
+        # torchao's float8 casts and amax reductions fuse into Inductor's kernels
+        return "triton f8 cast" if ("scaled_mm" in low or "abs" in low or "clamp" in low) else "triton"
+    if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
+        return "gemm"
+    if name.startswith(("_kernel", "_many_kernel")):
+        return "optimizer (MasterAdamW)"
+    if "multi_tensor" in low:
+        return "foreach"
+    if "memcpy" in low:
+        return "memcpy"
+    if "memset" in low:
+        return "memset"
+    return "other"
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def analyse(events: list[dict], steps: float) -> dict:
+    """Per-step figures (ms) from Chrome-trace events (`ts`, `dur` in us; `args.stream`)."""
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    by_stream = collections.defaultdict(list)
+    for e in kernels:
+        by_stream[e["args"].get("stream", -1)].append(e)
+    gemm = {s: sum(e["dur"] for e in es if category(e["name"]) == "gemm") for s, es in by_stream.items()}
+    cs = max(gemm, key=gemm.get)
+    comp = sorted(by_stream[cs], key=lambda e: e["ts"])
+    t0, t1 = comp[0]["ts"], max(e["ts"] + e["dur"] for e in comp)
+    nccl = sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es
+                  if category(e["name"]) == "nccl")
+    cats = collections.Counter()
+    for e in comp:
+        cats[category(e["name"])] += e["dur"]
+    idle = idle_nccl = overlap = 0.0
+    end = t0
+    for e in comp:
+        s, f = e["ts"], e["ts"] + e["dur"]
+        if s > end:
+            idle += s - end
+            idle_nccl += _union([(max(a, end), min(b, s)) for a, b in nccl if a < s and b > end])
+        overlap += _union([(max(a, s), min(b, f)) for a, b in nccl if a < f and b > s])
+        end = max(end, f)
+    others = {}
+    for s, es in by_stream.items():
+        if s != cs:
+            c = collections.Counter()
+            for e in es:
+                c[category(e["name"])] += e["dur"] / 1000 / steps
+            others[s] = dict(c.most_common())
+    ms = 1000 * steps
+    return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
+            "idle": idle / ms, "idle_during_nccl": idle_nccl / ms,
+            "nccl_active": _union([(max(a, t0), min(b, t1)) for a, b in nccl]) / ms,
+            "compute_overlapping_nccl": overlap / ms, "other_streams": others}
+
+
+def report(r: dict, title: str) -> str:
+    lines = [f"== {title}",
+             f"   compute stream {r['stream']}: span {r['span']:.1f} ms/step, kernels {sum(r['busy'].values()):.1f}, "
+             f"idle {r['idle']:.1f} (while NCCL runs: {r['idle_during_nccl']:.1f}); NCCL active "
+             f"{r['nccl_active']:.1f}, compute kernels overlapping NCCL {r['compute_overlapping_nccl']:.1f}"]
+    lines += [f"   {k:<26} {v:7.2f} ms" for k, v in r["busy"].items()]
+    lines += [f"   stream {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for s, c in r["other_streams"].items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from titanlite.config import load_config
+    from titanlite.train import Trainer
+
+    if not torch.cuda.is_available():
+        print("stream_profile: needs a CUDA GPU (it reads kernel timelines)", file=sys.stderr)
+        sys.exit(2)
+    cfg = load_config(sys.argv[1:])
+    trainer = Trainer(cfg)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    for _ in range(8):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    steps = 4
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        torch.cuda.synchronize()
+    path = os.path.join(cfg.job.dump_folder, f"stream_trace_rank{rank}.json")
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    prof.export_chrome_trace(path)
+    if rank in (0, world - 1):
+        time.sleep(0.5 * rank)  # keep the two ranks' reports apart
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len
+        with open(path) as fh:
+            r = analyse(json.load(fh)["traceEvents"], steps)
+        print(report(r, f"rank {rank}/{world}: {step_ms:.1f} ms/step without the profiler "
+                        f"({tokens / step_ms * 1000:,.0f} tok/s per GPU); trace {path}"), flush=True)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
