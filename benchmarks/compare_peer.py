@@ -163,7 +163,8 @@ def main() -> None:
     ap.add_argument("--peer-float8", action="store_true", help="also run the peer with float8 tensorwise")
     ap.add_argument("--peer-modes", default="fsdp", help="peer parallel modes for >1 GPU: fsdp,ddp")
     ap.add_argument("--extra", default="", help="titanlite arguments appended to every configuration "
-                    "(its rows are named 'NAME +EXTRA'), for A/B of one knob against the suite")
+                    "(its rows are named 'NAME +EXTRA'), for A/B of one knob against the suite; write it "
+                    "--extra=\"--a.b ...\" (a value starting with -- needs the =)")
     ap.add_argument("--timeout", type=int, default=420)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/compare_peer"))
     a = ap.parse_args()

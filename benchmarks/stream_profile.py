@@ -6,10 +6,12 @@
 
 After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 more (CUDA activity
 only) and prints, for the first and the last rank:
-- the compute stream (the one with the most GEMM time): its kernel time per step by category, and
-  its idle time, with the part of it spent while an NCCL kernel ran on another stream (exposed
-  communication);
-- how long NCCL kernels run per step, and how much compute-kernel time overlaps them: the same GEMMs
+- the compute stream (the one with the most GEMM time): its kernel time per step by category (by
+  kernel name: "triton f8 cast" is any Triton kernel with a cast or amax fused in), and its idle
+  time, with the part of it spent while communication ran on another stream (exposed
+  communication). Communication = NCCL kernels, plus copies on other streams (copy-engine
+  collectives; host-to-device batch uploads are counted too, they are small);
+- how long each runs per step, and how much compute-kernel time overlaps them: the same GEMMs
   taking longer here than in a one-GPU run is the cost of sharing SMs and memory with the
   collectives, which no timeline of exposed communication shows;
 - the other streams' kernels (NCCL, copy-engine memcpy, FSDP's copy-in).
@@ -69,17 +71,21 @@ def analyse(events: list[dict], steps: float) -> dict:
     t0, t1 = comp[0]["ts"], max(e["ts"] + e["dur"] for e in comp)
     nccl = sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es
                   if category(e["name"]) == "nccl")
+    # copies on other streams: copy-engine collectives (fsdp_copy_engine_all_gather), batch uploads
+    copies = sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es
+                    if e.get("cat") == "gpu_memcpy")
+    comm = sorted(nccl + copies)
     cats = collections.Counter()
     for e in comp:
         cats[category(e["name"])] += e["dur"]
-    idle = idle_nccl = overlap = 0.0
+    idle = idle_comm = overlap = 0.0
     end = t0
     for e in comp:
         s, f = e["ts"], e["ts"] + e["dur"]
         if s > end:
             idle += s - end
-            idle_nccl += _union([(max(a, end), min(b, s)) for a, b in nccl if a < s and b > end])
-        overlap += _union([(max(a, s), min(b, f)) for a, b in nccl if a < f and b > s])
+            idle_comm += _union([(max(a, end), min(b, s)) for a, b in comm if a < s and b > end])
+        overlap += _union([(max(a, s), min(b, f)) for a, b in comm if a < f and b > s])
         end = max(end, f)
     others = {}
     for s, es in by_stream.items():
@@ -90,16 +96,18 @@ def analyse(events: list[dict], steps: float) -> dict:
             others[s] = dict(c.most_common())
     ms = 1000 * steps
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
-            "idle": idle / ms, "idle_during_nccl": idle_nccl / ms,
+            "idle": idle / ms, "idle_during_comm": idle_comm / ms,
             "nccl_active": _union([(max(a, t0), min(b, t1)) for a, b in nccl]) / ms,
-            "compute_overlapping_nccl": overlap / ms, "other_streams": others}
+            "copies_active": _union([(max(a, t0), min(b, t1)) for a, b in copies]) / ms,
+            "compute_overlapping_comm": overlap / ms, "other_streams": others}
 
 
 def report(r: dict, title: str) -> str:
     lines = [f"== {title}",
              f"   compute stream {r['stream']}: span {r['span']:.1f} ms/step, kernels {sum(r['busy'].values()):.1f}, "
-             f"idle {r['idle']:.1f} (while NCCL runs: {r['idle_during_nccl']:.1f}); NCCL active "
-             f"{r['nccl_active']:.1f}, compute kernels overlapping NCCL {r['compute_overlapping_nccl']:.1f}"]
+             f"idle {r['idle']:.1f} (while communication runs: {r['idle_during_comm']:.1f}); NCCL kernels active "
+             f"{r['nccl_active']:.1f}, copies on other streams {r['copies_active']:.1f}, compute kernels "
+             f"overlapping either {r['compute_overlapping_comm']:.1f}"]
     lines += [f"   {k:<26} {v:7.2f} ms" for k, v in r["busy"].items()]
     lines += [f"   stream {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for s, c in r["other_streams"].items()]
     return "\n".join(lines)
@@ -136,12 +144,14 @@ def main() -> None:
     prof.export_chrome_trace(path)
     if rank in (0, world - 1):
         time.sleep(0.5 * rank)  # keep the two ranks' reports apart
-        tokens = cfg.training.local_batch_size * cfg.training.seq_len
+        tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.grad_accum
         with open(path) as fh:
             r = analyse(json.load(fh)["traceEvents"], steps)
         print(report(r, f"rank {rank}/{world}: {step_ms:.1f} ms/step without the profiler "
                         f"({tokens / step_ms * 1000:,.0f} tok/s per GPU); trace {path}"), flush=True)
     trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -325,14 +325,25 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
 
 
 # ------------------------------------------------------------------------- copy-engine all-gather
-def test_copy_engine_all_gather_refuses_what_cannot_use_it():
-    """Only FSDP gathers parameters (ddp refused before torchrun, in one line); on CPU there is no NCCL
-    symmetric memory to gather into, and the error says so instead of failing inside NCCL."""
-    import types
+def _copy_engine_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        Trainer(load_config(base_args(os.path.join(out_dir, "ce"), 4, "--parallelism.data_parallel", "fsdp",
+                                      "--parallelism.fsdp_copy_engine_all_gather")))
+        message = "no error"
+    except ConfigError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
+        fh.write(message)
+    dist.destroy_process_group()
 
-    from titanlite.models import build_model, get_model_args
-    from titanlite.parallel.data_parallel import copy_engine_all_gather
 
+def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
+    """Only FSDP gathers parameters (ddp refused before torchrun, in one line); FSDP on gloo/CPU has no
+    NCCL symmetric memory to gather into, and every rank says so instead of failing inside NCCL."""
     r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2",
                         "--parallelism.data_parallel", "ddp", "--parallelism.fsdp_copy_engine_all_gather"],
                        capture_output=True, text=True, cwd=ROOT)
@@ -340,9 +351,25 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it():
     assert r.stderr.strip().splitlines() == [
         "error: parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel=ddp: "
         "only fsdp and hsdp gather parameters"]
-    model = build_model(get_model_args("llama", "debug"))
-    with pytest.raises(ConfigError, match="needs CUDA GPUs and NCCL, not cpu"):
-        copy_engine_all_gather(model, types.SimpleNamespace(device=torch.device("cpu")))
+    mp.spawn(_copy_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == (
+            "parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not cpu with gloo")
+
+
+def test_zero_cta_policy_is_set_unless_the_user_set_one(monkeypatch, caplog):
+    from titanlite.parallel.dims import zero_cta_policy
+
+    monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        zero_cta_policy(rank=0)
+    assert os.environ["NCCL_CTA_POLICY"] == "2" and "NCCL_CTA_POLICY=2" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("NCCL_CTA_POLICY", "1")
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        zero_cta_policy(rank=0)
+    assert os.environ["NCCL_CTA_POLICY"] == "1"
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "NCCL_CTA_POLICY=1 is kept" in caplog.text
 
 
 def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):
@@ -354,3 +381,5 @@ def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):
     Trainer(load_config(base_args(tmp_path, 4, "--compile.enable", "--compile.coordinate_descent_tuning",
                                   "--training.steps", "1"))).close()
     assert inductor_config.coordinate_descent_tuning is True
+    with pytest.raises(ConfigError, match="coordinate_descent_tuning needs compile.enable"):
+        Trainer(load_config(base_args(tmp_path, 4, "--compile.coordinate_descent_tuning")))

@@ -16,22 +16,23 @@ def kernel(name, ts, dur, stream):
 
 def test_idle_exposed_communication_and_overlap():
     # compute stream 7: GEMM 0-10 us, idle 10-15, GEMM 15-20, Triton 20-22 (idle 0 there), idle 22-30, GEMM 30-31;
-    # NCCL on stream 20 runs 8-14 and 25-26; a copy-engine memcpy on stream 24 never counts as NCCL.
+    # NCCL on stream 20 runs 8-14 and 25-26; a copy-engine memcpy on stream 24 runs 12-16.
     events = [kernel("nvjet_sm90_gemm", 0, 10, 7), kernel("nvjet_sm90_gemm", 15, 5, 7),
               kernel("triton_poi_fused_add", 20, 2, 7), kernel("nvjet_sm90_gemm", 30, 1, 7),
               kernel("ncclDevKernel_AllGather", 8, 6, 20), kernel("ncclDevKernel_ReduceScatter", 25, 1, 20),
-              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 0, "dur": 30, "args": {"stream": 24}},
+              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 12, "dur": 4, "args": {"stream": 24}},
               {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99}]
     r = stream_profile.analyse(events, steps=0.001)  # 1 step of 1 us -> figures in us
     assert r["stream"] == 7
     assert r["span"] == pytest.approx(31)
     assert r["busy"] == {"gemm": pytest.approx(16), "triton": pytest.approx(2)}
     assert r["idle"] == pytest.approx(5 + 8)
-    assert r["idle_during_nccl"] == pytest.approx(4 + 1)  # 10-14 and 25-26
+    assert r["idle_during_comm"] == pytest.approx(5 + 1)  # 10-15 (NCCL, then the copy) and 25-26
     assert r["nccl_active"] == pytest.approx(7)
-    assert r["compute_overlapping_nccl"] == pytest.approx(2)  # the first GEMM's 8-10
-    assert r["other_streams"][24] == {"memcpy": pytest.approx(30)}
-    assert "idle 13.0 (while NCCL runs: 5.0)" in stream_profile.report(r, "t")
+    assert r["copies_active"] == pytest.approx(4)
+    assert r["compute_overlapping_comm"] == pytest.approx(2 + 1)  # the first GEMM's 8-10, the second's 15-16
+    assert r["other_streams"][24] == {"memcpy": pytest.approx(4)}
+    assert "idle 13.0 (while communication runs: 6.0)" in stream_profile.report(r, "t")
 
 
 @pytest.mark.parametrize("name, cat", [

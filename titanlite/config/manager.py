@@ -323,6 +323,9 @@ def check_combination(cfg: JobConfig, world: int) -> None:
         check_bf16_params(cfg, world)
     if cfg.optimizer.moments_dtype == "bfloat16":
         check_moments_dtype(cfg, world)
+    if cfg.compile.coordinate_descent_tuning and not cfg.compile.enable:
+        raise ConfigError("compile.coordinate_descent_tuning needs compile.enable: without compile there are no "
+                          "generated kernels to tune")
     if cfg.parallelism.fsdp_copy_engine_all_gather and cfg.parallelism.data_parallel not in ("fsdp", "hsdp"):
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")

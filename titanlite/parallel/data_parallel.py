@@ -72,30 +72,32 @@ def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     if p.fsdp_copy_engine_all_gather:
-        copy_engine_all_gather(model, dims)
+        copy_engine_all_gather(model, dims, mesh.get_group("dp_shard"))
     return model
 
 
-def copy_engine_all_gather(model: nn.Module, dims) -> None:
+def copy_engine_all_gather(model: nn.Module, dims, gather_group) -> None:
     """Every FSDP module gathers into NCCL symmetric memory. Under the zero-CTA policy (set before the
     communicator was made, in init_distributed) NCCL then moves the bytes with the copy engines
     instead of SM kernels, so the gathers stop taking SMs from the GEMMs they overlap."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    if dims.device.type != "cuda":
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if dims.device.type != "cuda" or backend != "nccl":
         raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not "
-                          f"{dims.device.type}")
+                          f"{dims.device.type} with {backend or 'no process group'}")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if hasattr(FSDPModule, "set_symm_mem_for_comm"):  # torch 2.13 has it
         for m in modules:
             m.set_symm_mem_for_comm("NCCL")
         return
-    comm = _symmetric_all_gather()  # torch 2.11: the same through FSDP's custom all-gather hook
+    comm = _symmetric_all_gather(gather_group)  # torch 2.11: the same through FSDP's custom all-gather hook
     for m in modules:
         m.set_custom_all_gather(comm)
 
 
-def _symmetric_all_gather():
+def _symmetric_all_gather(gather_group):
     """An FSDP all-gather whose output buffers come from NCCL's symmetric-memory pool and are
     registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
     import torch.distributed as dist
@@ -110,7 +112,8 @@ def _symmetric_all_gather():
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL symmetric memory and FSDP's custom "
                           f"all-gather, which torch {torch.__version__} lacks")
     symm_mem.set_backend("NCCL")
-    dist.barrier()  # the communicator must exist before the first rendezvous
+    # The gather group's communicator (hsdp: the shard group's) must exist before the first rendezvous.
+    dist.barrier(group=gather_group)
 
     class SymmetricAllGather(AllGather):
         def allocate(self, size, *, dtype, device):
