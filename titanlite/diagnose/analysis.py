@@ -494,11 +494,15 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
         out["exposed_comm_ms_per_step"] = round(comm, 3)
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
-        bf16 = ("--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes" if mode in ("fsdp", "hsdp") else
-                "fsdp with --parallelism.fsdp_reduce_dtype bfloat16 moves fewer gradient bytes than this fp32 all-reduce")
+        # what measured best on 4 x H200 (docs/performance.md); capping NCCL's CTAs measured slower
+        fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
+               "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes" if mode in ("fsdp", "hsdp") else
+               "fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs, "
+               "which an all-reduce cannot do")
         out["next_check"] = (
-            "Profile one step (--profiling.enable) and look for NCCL kernels running beside the backward GEMMs. "
-            f"To shrink the overlap's cost: {bf16}; NCCL_MAX_NCHANNELS / NCCL_MAX_CTAS cap the SMs NCCL takes.")
+            "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
+            "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. "
+            f"To shrink the overlap's cost: {fix}.")
     out["text"] = text
     return out
 
