@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+
 def category(name: str) -> str:
     low = name.lower()
     if "nccl" in low:
@@ -69,11 +70,13 @@ def analyse(events: list[dict], steps: float) -> dict:
     cs = max(gemm, key=gemm.get)
     comp = sorted(by_stream[cs], key=lambda e: e["ts"])
     t0, t1 = comp[0]["ts"], max(e["ts"] + e["dur"] for e in comp)
-    nccl = sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es
-                  if category(e["name"]) == "nccl")
+
+    def spans(keep) -> list[tuple[float, float]]:  # (start, end) of the other streams' events kept
+        return sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es if keep(e))
+
+    nccl = spans(lambda e: category(e["name"]) == "nccl")
     # copies on other streams: copy-engine collectives (fsdp_copy_engine_all_gather), batch uploads
-    copies = sorted((e["ts"], e["ts"] + e["dur"]) for s, es in by_stream.items() if s != cs for e in es
-                    if e.get("cat") == "gpu_memcpy")
+    copies = spans(lambda e: e.get("cat") == "gpu_memcpy")
     comm = sorted(nccl + copies)
     cats = collections.Counter()
     for e in comp:
@@ -95,11 +98,13 @@ def analyse(events: list[dict], steps: float) -> dict:
                 c[category(e["name"])] += e["dur"] / 1000 / steps
             others[s] = dict(c.most_common())
     ms = 1000 * steps
+
+    def active(intervals) -> float:  # ms per step within the compute stream's span
+        return _union([(max(a, t0), min(b, t1)) for a, b in intervals]) / ms
+
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
-            "idle": idle / ms, "idle_during_comm": idle_comm / ms,
-            "nccl_active": _union([(max(a, t0), min(b, t1)) for a, b in nccl]) / ms,
-            "copies_active": _union([(max(a, t0), min(b, t1)) for a, b in copies]) / ms,
-            "compute_overlapping_comm": overlap / ms, "other_streams": others}
+            "idle": idle / ms, "idle_during_comm": idle_comm / ms, "nccl_active": active(nccl),
+            "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others}
 
 
 def report(r: dict, title: str) -> str:
