@@ -357,6 +357,77 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
             "parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not cpu with gloo")
 
 
+def _ddp_copy_engine_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """ddp with the copy-engine hook on gloo, its symmetric buffers replaced by plain ones (CPU has no NCCL
+    symmetric memory): the reduce-scatter + in-place all-gather decomposition itself, run for real."""
+    import torch.nn as nn
+
+    from titanlite.parallel import data_parallel
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    try:  # the real path refuses gloo, every rank with the reason
+        Trainer(load_config(base_args(os.path.join(out_dir, "real"), 4, "--parallelism.data_parallel", "ddp",
+                                      "--parallelism.ddp_copy_engine_all_gather")))
+        results["refusal"] = "no error"
+    except ConfigError as e:
+        results["refusal"] = str(e)
+    allocated = []
+    data_parallel.symmetric_memory = lambda option, dims, group: None
+    data_parallel.symmetric_buffer = lambda symm_mem, n, dtype, device, group: allocated.append((n, dtype)) or \
+        torch.empty(n, dtype=dtype, device=device)
+    for name, extra in {"ce": [], "ce_bf16": ["--parallelism.ddp_reduce_dtype", "bfloat16"]}.items():
+        allocated.clear()
+        t = Trainer(load_config(base_args(os.path.join(out_dir, name), 4, "--parallelism.data_parallel", "ddp",
+                                          "--parallelism.ddp_copy_engine_all_gather", *extra)))
+        t.train()
+        if rank == 0:
+            results[name] = {"losses": step_losses(t), "dtypes": sorted({str(d) for _, d in allocated})}
+    # a bucket of 15 elements over 2 ranks: padded to 16 for the reduce-scatter, 15 come back
+    torch.manual_seed(rank)
+    x = torch.randn(4, 3)
+    grads = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 5, bias=False))
+        if hooked:
+            state = data_parallel.CopyEngineState(dist.group.WORLD, None,
+                                                  lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device))
+            ddp.register_comm_hook(state, data_parallel.copy_engine_all_reduce_hook)
+        ddp(x).square().sum().backward()
+        grads[hooked] = ddp.module.weight.grad.clone()
+    results["odd_bucket_equal"] = torch.equal(grads[False], grads[True])
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def test_ddp_copy_engine_hook_matches_all_reduce(reference, tmp_path):
+    """ddp_copy_engine_all_gather's hook (reduce-scatter, then an in-place all-gather) gives ddp's
+    all-reduce: the single process's losses in fp32, close in bf16, equal gradients for a bucket that does
+    not split evenly over the ranks. Without NCCL it is refused on every rank, and with fsdp before torchrun."""
+    r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2",
+                        "--parallelism.data_parallel", "fsdp", "--parallelism.ddp_copy_engine_all_gather"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: parallelism.ddp_copy_engine_all_gather with parallelism.data_parallel=fsdp: it splits ddp's "
+        "all-reduce (ddp, zero1); fsdp and hsdp have parallelism.fsdp_copy_engine_all_gather"]
+    mp.spawn(_ddp_copy_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["refusal"] == "parallelism.ddp_copy_engine_all_gather needs CUDA GPUs and NCCL, not cpu with gloo"
+    assert results["ce"]["dtypes"] == ["torch.float32"] and results["ce_bf16"]["dtypes"] == ["torch.bfloat16"]
+    assert results["ce"]["losses"] == pytest.approx(reference, rel=1e-5)
+    bf16 = results["ce_bf16"]["losses"]
+    assert bf16[0] == pytest.approx(reference[0], rel=1e-6) and bf16[1:] != pytest.approx(reference[1:], rel=1e-6)
+    assert bf16 == pytest.approx(reference, rel=2e-3)
+    assert results["odd_bucket_equal"]
+
+
 def test_zero_cta_policy_is_set_unless_the_user_set_one(monkeypatch, caplog):
     from titanlite.parallel.dims import zero_cta_policy
 
