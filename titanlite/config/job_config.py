@@ -116,11 +116,6 @@ class Parallelism:
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (a comm hook: cast to bf16, "
                    "divide by the ranks, all-reduce, copy back into the fp32 bucket)")
-    ddp_copy_engine_all_gather: bool = doc(
-        False, "ddp/zero1 on CUDA: all-reduce each gradient bucket as a reduce-scatter (SM kernels) into NCCL "
-               "symmetric memory and an all-gather that the copy engines run under NCCL's zero-CTA policy, so half "
-               "the traffic leaves the SMs to the backward (same bytes; one extra buffer the size of the gradients; "
-               "sets NCCL_CTA_POLICY=2 unless it is set; needs NCCL >= 2.28 symmetric memory)")
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
         "default", "fsdp: free gathered params after forward (default = all but the root)")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")

@@ -271,9 +271,6 @@ def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
     if mode in CUDA_GRAPHS_UNSUPPORTED:
         raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={mode}: "
                           f"{CUDA_GRAPHS_UNSUPPORTED[mode]}")
-    if mode == "ddp" and cfg.parallelism.ddp_copy_engine_all_gather:
-        raise ConfigError("training.cuda_graphs with parallelism.ddp_copy_engine_all_gather: its hook copies the "
-                          "gathered bucket back in a host-side future callback, which a replayed graph would not run")
     if mode == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
         raise ConfigError("training.cuda_graphs with parallelism.ddp_reduce_dtype=bfloat16: the bf16 hook copies the "
                           "reduced bucket back in a host-side future callback, which a replayed graph would not "
@@ -314,13 +311,6 @@ def check_moments_dtype(cfg: JobConfig, world: int) -> None:
                           f"moment would change by less than bf16 resolves per step; use beta2 <= 0.99 or float32")
 
 
-# The copy-engine options, the data-parallel modes each applies to, and why it is refused elsewhere.
-COPY_ENGINE_MODES = {"fsdp_copy_engine_all_gather": ("fsdp", "hsdp"), "ddp_copy_engine_all_gather": ("ddp", "zero1")}
-COPY_ENGINE_ONLY = {"fsdp_copy_engine_all_gather": "only fsdp and hsdp gather parameters",
-                    "ddp_copy_engine_all_gather": "it splits ddp's all-reduce (ddp, zero1); fsdp and hsdp have "
-                                                  "parallelism.fsdp_copy_engine_all_gather"}
-
-
 def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
@@ -336,10 +326,9 @@ def check_combination(cfg: JobConfig, world: int) -> None:
     if cfg.compile.coordinate_descent_tuning and not cfg.compile.enable:
         raise ConfigError("compile.coordinate_descent_tuning needs compile.enable: without compile there are no "
                           "generated kernels to tune")
-    for option, modes in COPY_ENGINE_MODES.items():
-        if getattr(cfg.parallelism, option) and cfg.parallelism.data_parallel not in modes:
-            raise ConfigError(f"parallelism.{option} with parallelism.data_parallel={cfg.parallelism.data_parallel}: "
-                              f"{COPY_ENGINE_ONLY[option]}")
+    if cfg.parallelism.fsdp_copy_engine_all_gather and cfg.parallelism.data_parallel not in ("fsdp", "hsdp"):
+        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel="
+                          f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:

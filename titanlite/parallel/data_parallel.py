@@ -19,31 +19,22 @@ from titanlite.config.manager import ConfigError, hsdp_shape
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     """DistributedDataParallel: gradients all-reduced in buckets of parallelism.ddp_bucket_cap_mb, in
-    parallelism.ddp_reduce_dtype (or reduce-scattered, then gathered by copy engines: ddp_copy_engine_all_gather)."""
+    parallelism.ddp_reduce_dtype."""
     from torch.nn.parallel import DistributedDataParallel
 
-    p = cfg.parallelism
     ids = [dims.device.index] if dims.device.type == "cuda" else None
     # broadcast_buffers=False: the only buffers are RoPE tables, computed identically on every rank and
     # never updated; the default would broadcast them before every forward (a collective per micro-step)
-    wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=p.ddp_bucket_cap_mb,
-                                           broadcast_buffers=False, gradient_as_bucket_view=p.ddp_bucket_view)
+    wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
+                                           broadcast_buffers=False,
+                                           gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view)
     if cfg.training.cuda_graphs and dims.device.type == "cuda":
         # A backward captured in a CUDA graph needs DDP built on a side stream (torch's CUDA-graph notes).
         with torch.cuda.stream(torch.cuda.Stream(dims.device)):
             ddp = wrap()
     else:
         ddp = wrap()
-    if p.ddp_copy_engine_all_gather:
-        import torch.distributed as dist
-
-        group = dist.group.WORLD
-        option = "parallelism.ddp_copy_engine_all_gather"
-        symm_mem = symmetric_memory(option, dims, group)
-        state = CopyEngineState(group, torch.bfloat16 if p.ddp_reduce_dtype == "bfloat16" else None,
-                                lambda n, dtype, device: symmetric_buffer(symm_mem, n, dtype, device, group))
-        ddp.register_comm_hook(state, copy_engine_all_reduce_hook)
-    elif p.ddp_reduce_dtype == "bfloat16":
+    if cfg.parallelism.ddp_reduce_dtype == "bfloat16":
         ddp.register_comm_hook(None, bf16_allreduce_hook)
     return ddp
 
@@ -63,54 +54,6 @@ def bf16_allreduce_hook(group, bucket):
         return buf
 
     return fut.then(unpack)
-
-
-class CopyEngineState:
-    """State of copy_engine_all_reduce_hook: the group, the reduce dtype (None: the bucket's own; bfloat16
-    casts an fp32 bucket first, as ddp_reduce_dtype does), and `allocate(numel, dtype, device)`, which
-    gives buffers in NCCL symmetric memory registered with every rank."""
-
-    def __init__(self, group, reduce_dtype, allocate):
-        import torch.distributed as dist
-
-        self.group, self.reduce_dtype, self.allocate = group, reduce_dtype, allocate
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # NCCL runs the gather after the reduce-scatter on its one stream; gloo runs queued collectives on
-        # several threads, so there the gather has to wait for the reduce-scatter on the host
-        self.ordered = dist.get_backend(group) == "nccl"
-        self.buffers: dict[int, torch.Tensor] = {}  # by bucket index; replaced when DDP rebuilds its buckets
-
-
-def copy_engine_all_reduce_hook(state: CopyEngineState, bucket):
-    """DDP comm hook: a bucket's all-reduce as its two halves. A reduce-scatter (SM kernels) averages
-    this rank's slice of the bucket into a symmetric buffer; an in-place all-gather of that buffer then
-    completes it, and under NCCL's zero-CTA policy it runs on the copy engines, so half of the
-    all-reduce's traffic stops taking SMs from the backward's GEMMs. The same bytes cross NVLink as in
-    a ring all-reduce. The result is copied back into the bucket in the future's callback, which runs
-    on a side stream rather than after the backward."""
-    import torch.distributed as dist
-
-    grads = bucket.buffer()
-    dtype, n, world = state.reduce_dtype or grads.dtype, grads.numel(), state.world
-    chunk = -(-n // world)
-    buf = state.buffers.get(bucket.index())
-    if buf is None or buf.numel() != chunk * world or buf.dtype != dtype:
-        buf = state.buffers[bucket.index()] = state.allocate(chunk * world, dtype, grads.device)
-    src = grads
-    if dtype != grads.dtype or n != chunk * world:  # a cast, or padding to a multiple of the ranks
-        src = torch.zeros(chunk * world, dtype=dtype, device=grads.device)
-        src[:n].copy_(grads)
-    mine = buf[state.rank * chunk:(state.rank + 1) * chunk]
-    work = dist.reduce_scatter_tensor(mine, src, op=dist.ReduceOp.AVG, group=state.group, async_op=True)
-    if not state.ordered:
-        work.wait()
-    fut = dist.all_gather_into_tensor(buf, mine, group=state.group, async_op=True).get_future()
-
-    def back(f):
-        grads.copy_(buf[:n])
-        return grads
-
-    return fut.then(back)
 
 
 def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:
@@ -140,74 +83,49 @@ def copy_engine_all_gather(model: nn.Module, dims, gather_group) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    option = "parallelism.fsdp_copy_engine_all_gather"
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if dims.device.type != "cuda" or backend != "nccl":
+        raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not "
+                          f"{dims.device.type} with {backend or 'no process group'}")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if hasattr(FSDPModule, "set_symm_mem_for_comm"):  # torch 2.13 has it
-        check_nccl(option, dims)
         for m in modules:
             m.set_symm_mem_for_comm("NCCL")
         return
-    # torch 2.11: the same through FSDP's custom all-gather hook
-    symm_mem = symmetric_memory(option, dims, gather_group)
+    comm = _symmetric_all_gather(gather_group)  # torch 2.11: the same through FSDP's custom all-gather hook
+    for m in modules:
+        m.set_custom_all_gather(comm)
+
+
+def _symmetric_all_gather(gather_group):
+    """An FSDP all-gather whose output buffers come from NCCL's symmetric-memory pool and are
+    registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
     try:
+        import torch.distributed._symmetric_memory as symm_mem
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
     except ImportError:
-        AllGather = None
-    if AllGather is None or not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise ConfigError(f"{option} needs FSDP's custom all-gather, which torch {torch.__version__} lacks")
+        symm_mem = None
+    if symm_mem is None or not hasattr(symm_mem, "get_mem_pool") or not hasattr(FSDPModule, "set_custom_all_gather"):
+        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL symmetric memory and FSDP's custom "
+                          f"all-gather, which torch {torch.__version__} lacks")
+    symm_mem.set_backend("NCCL")
+    # The gather group's communicator (hsdp: the shard group's) must exist before the first rendezvous.
+    dist.barrier(group=gather_group)
 
     class SymmetricAllGather(AllGather):
         def allocate(self, size, *, dtype, device):
             # one pool, reused step after step: a buffer is registered once, not per gather
-            return pool_tensor(symm_mem, size, dtype, device)
+            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             symm_mem.rendezvous(output_tensor, group=group.group_name)
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    comm = SymmetricAllGather()
-    for m in modules:
-        m.set_custom_all_gather(comm)
-
-
-def check_nccl(option: str, dims) -> None:
-    """Copy-engine collectives need NCCL's symmetric memory: CUDA GPUs with an NCCL process group."""
-    import torch.distributed as dist
-
-    backend = dist.get_backend() if dist.is_initialized() else None
-    if dims.device.type != "cuda" or backend != "nccl":
-        raise ConfigError(f"{option} needs CUDA GPUs and NCCL, not {dims.device.type} with "
-                          f"{backend or 'no process group'}")
-
-
-def symmetric_memory(option: str, dims, group):
-    """torch's symmetric-memory module with NCCL as its backend, ready for rendezvous on `group`."""
-    import torch.distributed as dist
-
-    check_nccl(option, dims)
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-    except ImportError:
-        symm_mem = None
-    if symm_mem is None or not hasattr(symm_mem, "get_mem_pool"):
-        raise ConfigError(f"{option} needs NCCL symmetric memory, which torch {torch.__version__} lacks")
-    symm_mem.set_backend("NCCL")
-    # The group's communicator (hsdp: the shard group's) must exist before the first rendezvous.
-    dist.barrier(group=group)
-    return symm_mem
-
-
-def pool_tensor(symm_mem, numel: int, dtype, device) -> torch.Tensor:
-    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-        return torch.empty(numel, dtype=dtype, device=device)
-
-
-def symmetric_buffer(symm_mem, numel: int, dtype, device, group) -> torch.Tensor:
-    """A buffer from NCCL's symmetric pool, registered with every rank of `group` (collective: every rank
-    calls it for the same bucket)."""
-    buf = pool_tensor(symm_mem, numel, dtype, device)
-    symm_mem.rendezvous(buf, group=group.group_name)
-    return buf
+    return SymmetricAllGather()
 
 
 def apply_fsdp(model: nn.Module, cfg, dims) -> nn.Module:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.config.manager import COPY_ENGINE_MODES, data_parallel_mode
+from titanlite.config.manager import data_parallel_mode
 
 
 @dataclass
@@ -59,24 +59,23 @@ def init_distributed(cfg) -> ParallelDims:
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        p = cfg.parallelism
-        for option in COPY_ENGINE_MODES:
-            if backend == "nccl" and getattr(p, option) and p.data_parallel in COPY_ENGINE_MODES[option]:
-                zero_cta_policy(rank, f"parallelism.{option}")
+        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather:
+            zero_cta_policy(rank)
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))
 
 
-def zero_cta_policy(rank: int, option: str = "parallelism.fsdp_copy_engine_all_gather") -> None:
-    """The copy-engine options: NCCL takes the copy-engine path only on a communicator made under its
-    zero-CTA policy, read from NCCL_CTA_POLICY when the communicator is created. A value the user set
-    is kept, with a warning that the gathers will then run as SM kernels."""
+def zero_cta_policy(rank: int) -> None:
+    """parallelism.fsdp_copy_engine_all_gather: NCCL takes the copy-engine path only on a communicator
+    made under its zero-CTA policy, read from NCCL_CTA_POLICY when the communicator is created. A value
+    the user set is kept, with a warning that the gathers will then run as SM kernels."""
     log = logging.getLogger("titanlite")
     have = os.environ.get("NCCL_CTA_POLICY")
     if have is None:
         os.environ["NCCL_CTA_POLICY"] = "2"
         if rank == 0:
-            log.info(f"{option}: NCCL_CTA_POLICY=2 (zero-CTA policy, for every collective of the job)")
+            log.info("parallelism.fsdp_copy_engine_all_gather: NCCL_CTA_POLICY=2 (zero-CTA policy, for every "
+                     "collective of the job)")
     elif have.strip().upper() not in ("2", "ZERO") and rank == 0:
-        log.warning(f"{option}: NCCL_CTA_POLICY={have} is kept as set, so NCCL "
+        log.warning(f"parallelism.fsdp_copy_engine_all_gather: NCCL_CTA_POLICY={have} is kept as set, so NCCL "
                     f"gathers with SM kernels, not copy engines; unset it or set 2")
