@@ -125,8 +125,8 @@ def main() -> None:
         pm, pt = p["memory"]["peak_gib"], p["throughput"]["overlap"]["tokens_per_sec"]
         rows.append((name, ranks, pm, m and m["peak_gib"], pt, m and m["tokens_per_sec"], p["throughput"]["dominant"]))
         print(f"  {name}: done [{time.time() - t0:.0f}s]", file=sys.stderr)
-    print(f"| case | GPUs | predicted peak GiB | measured peak GiB | err % | predicted tok/s | measured tok/s | "
-          f"err % | dominant term |")
+    print("| case | GPUs | predicted peak GiB | measured peak GiB | err % | predicted tok/s | measured tok/s | "
+          "err % | dominant term |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r, pm, mm, pt, mt, dom in rows:
         em = f"{100 * (pm - mm) / mm:+.1f}" if mm else "-"

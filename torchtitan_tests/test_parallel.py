@@ -324,6 +324,30 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
         "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + CUDA_GRAPHS_UNSUPPORTED["fsdp"]]
 
 
+def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():
+    """RoPE tables are the only buffers and never change, so DDP must not broadcast them before every
+    forward; the switch is named differently on torch 2.11 and 2.13, and the old name warns on 2.13."""
+    import types
+    import warnings
+
+    import torch.nn as nn
+
+    from titanlite.parallel.data_parallel import apply_ddp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        model.register_buffer("table", torch.zeros(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ddp = apply_ddp(model, load_config(["--parallelism.data_parallel", "ddp"]),
+                            types.SimpleNamespace(device=torch.device("cpu")))
+        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------- copy-engine all-gather
 def _copy_engine_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)

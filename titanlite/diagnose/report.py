@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -145,9 +146,7 @@ def write_report(a: Analysis, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     effs = {row["run"]: row["efficiency"] for row in a.scaling["runs"]}
     paths = [out / "report.md", out / "report.json", out / "phases.png", out / "ranks.png"]
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:  # the report still stands; say why the figures are missing
+    if importlib.util.find_spec("matplotlib") is None:  # the report still stands; say why the figures are missing
         a.notes.append("matplotlib is not installed: no figures (pip install matplotlib, then rerun)")
         paths = paths[:2]
     paths[0].write_text(markdown(a))

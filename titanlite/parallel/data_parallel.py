@@ -22,12 +22,17 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     parallelism.ddp_reduce_dtype."""
     from torch.nn.parallel import DistributedDataParallel
 
+    import inspect
+
     ids = [dims.device.index] if dims.device.type == "cuda" else None
-    # broadcast_buffers=False: the only buffers are RoPE tables, computed identically on every rank and
-    # never updated; the default would broadcast them before every forward (a collective per micro-step)
+    # No buffer sync before each forward: the only buffers are RoPE tables, computed identically on every
+    # rank and never updated; the default would broadcast them every micro-step. torch 2.13 renamed the
+    # switch (forward_sync_buffers; it still syncs once at construction, which is harmless here) and
+    # warns on the old one, which torch 2.11 still needs.
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
     wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
-                                           broadcast_buffers=False,
-                                           gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view)
+                                           gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
     if cfg.training.cuda_graphs and dims.device.type == "cuda":
         # A backward captured in a CUDA graph needs DDP built on a side stream (torch's CUDA-graph notes).
         with torch.cuda.stream(torch.cuda.Stream(dims.device)):

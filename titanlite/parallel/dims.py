@@ -59,7 +59,8 @@ def init_distributed(cfg) -> ParallelDims:
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather:
+        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather and cfg.parallelism.data_parallel in (
+                "fsdp", "hsdp"):  # with another mode the flag is refused (check_combination), not acted on
             zero_cta_policy(rank)
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))
