@@ -67,7 +67,8 @@ NEXT_CHECK = {
     "communication": (
         "Measure the link: nccl-tests all_reduce_perf at the gradient size on these GPUs, and compare its bus "
         "bandwidth with the figure used here (--link-gbps). Run with NCCL_DEBUG=INFO to see the transport "
-        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb) and the reduce dtype."),
+        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb: buckets under 100 MB measured "
+        "slower on 4 x H200) and the reduce dtype."),
     "straggler": (
         "Look at that rank's device alone: `nvidia-smi -i R -q -d PERFORMANCE,CLOCK,TEMPERATURE` (throttle "
         "reasons), other processes on it, its CPU/NUMA affinity and its data shard; rerun with LOG_RANK=R to read "
@@ -495,10 +496,15 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
         # what measured best on 4 x H200 (docs/performance.md); capping NCCL's CTAs measured slower
-        fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
-               "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes" if mode in ("fsdp", "hsdp") else
-               "fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs, "
-               "which an all-reduce cannot do")
+        if mode in ("fsdp", "hsdp"):
+            fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
+                   "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes")
+        else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
+            fix = ("fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs "
+                   "(ddp's all-reduce split onto the copy engines measured slower)")
+            if mode == "ddp" and not cfg_value(run, "training.bf16_params"):
+                fix = ("--training.bf16_params makes the all-reduced gradients bf16 (ddp went from 89% to 92-93% of "
+                       "one GPU's rate there); beyond that, " + fix)
         out["next_check"] = (
             "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
             "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. "
