@@ -10,6 +10,7 @@ the same update in every mode.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.nn as nn
@@ -21,8 +22,6 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     """DistributedDataParallel: gradients all-reduced in buckets of parallelism.ddp_bucket_cap_mb, in
     parallelism.ddp_reduce_dtype."""
     from torch.nn.parallel import DistributedDataParallel
-
-    import inspect
 
     ids = [dims.device.index] if dims.device.type == "cuda" else None
     # No buffer sync before each forward: the only buffers are RoPE tables, computed identically on every
