@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.config.manager import data_parallel_mode
+from titanlite.config.manager import check_combination, data_parallel_mode
 
 
 @dataclass
@@ -34,8 +34,10 @@ class ParallelDims:
 
 
 def init_distributed(cfg) -> ParallelDims:
-    """Join the process group torchrun set up (if any) and pick this rank's device."""
+    """Refuse combinations that cannot work (before anything is set up), then join the process group
+    torchrun set up (if any) and pick this rank's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_combination(cfg, world)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     shared = cfg.debug.inject_shared_device  # a fault on purpose (titanlite.debug): every rank on one device
@@ -59,8 +61,7 @@ def init_distributed(cfg) -> ParallelDims:
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather and cfg.parallelism.data_parallel in (
-                "fsdp", "hsdp"):  # with another mode the flag is refused (check_combination), not acted on
+        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather:
             zero_cta_policy(rank)
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))

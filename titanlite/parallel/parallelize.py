@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
-from titanlite.config.manager import check_combination
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 
 
@@ -165,8 +164,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
-    """Take the meta-device model spec; return the materialised, initialised, wrapped model."""
-    check_combination(cfg, dims.world_size)
+    """Take the meta-device model spec; return the materialised, initialised, wrapped model. The
+    combination of settings was checked when `dims` were made (init_distributed)."""
     if cfg.float8.enable:
         apply_float8(model, cfg, dims)
     if cfg.activation_checkpoint.mode != "none":
