@@ -210,6 +210,24 @@ def test_selective_op_policy_saves_matmuls_and_attention():
         assert policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
 
 
+def test_selective_op_policy_saves_flash_attention_custom_ops():
+    """flash-attn 2 and 3 register their forward as torch custom ops once imported; the policy built
+    afterwards keeps their outputs (stand-ins registered under the packages' op names here)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from titanlite.parallel.parallelize import _save_matmuls_policy
+
+    for ns in ("flash_attn", "flash_attn_3"):
+        if not hasattr(getattr(torch.ops, ns), "_flash_attn_forward"):
+            torch.library.custom_op(f"{ns}::_flash_attn_forward", mutates_args=())(_attention_stand_in)
+        assert _save_matmuls_policy()(None, getattr(torch.ops, ns)._flash_attn_forward.default) \
+            == CheckpointPolicy.MUST_SAVE, ns
+
+
+def _attention_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.clone()
+
+
 def test_bad_selective_option_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="activation_checkpoint.selective_option"):
         Trainer(load_config(base_args(tmp_path, 4, "--activation_checkpoint.mode", "selective",

@@ -75,13 +75,15 @@ def _save_matmuls_policy():
 
     aten = torch.ops.aten
     save = {aten.mm.default, aten.bmm.default, aten.addmm.default}
-    # float8 matmuls (torchao's _scaled_mm) and the SDPA kernels; flash-attn >= 2.6 registers its
-    # forward as a torch custom op, which makes it visible here too. Not covered: flash-attn 3, whose
-    # op name has not been checked on a GPU machine here (its attention is then recomputed).
+    # float8 matmuls (torchao's _scaled_mm) and the SDPA kernels. flash-attn >= 2.6 registers its
+    # forward as the torch custom op flash_attn::_flash_attn_forward, and flash-attn 3's
+    # flash_attn_interface as flash_attn_3::_flash_attn_forward, which makes them visible here too.
+    # The policy is built after the attention backend is chosen, i.e. after the package is imported.
     for ns, name in (("aten", "_scaled_mm"), ("aten", "_scaled_dot_product_flash_attention"),
                      ("aten", "_scaled_dot_product_efficient_attention"),
                      ("aten", "_scaled_dot_product_cudnn_attention"),
-                     ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("flash_attn", "_flash_attn_forward")):
+                     ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("flash_attn", "_flash_attn_forward"),
+                     ("flash_attn_3", "_flash_attn_forward")):
         try:
             save.add(getattr(getattr(torch.ops, ns), name).default)
         except (AttributeError, RuntimeError):  # not in this torch build, or the package is not installed
