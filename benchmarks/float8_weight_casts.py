@@ -1,0 +1,86 @@
+"""What the weight side of float8 tensorwise costs per step: every float8 weight's amax, its cast to
+e4m3 and the transposed copy the backward GEMM reads, compiled, one GPU (no CUDA graphs: the
+per-tensor rows include launch time).
+
+    python benchmarks/float8_weight_casts.py [--model llama] [--flavor 1.36B]
+
+It bounds what moving weight work out of the blocks could save (e.g. an amax taken by the optimizer
+kernel, which reads every weight anyway): at most the amax pass, since the casts remain.
+"""
+
+import argparse
+import time
+
+import torch
+
+from titanlite.models import get_model_args
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def block_weight_shapes(args) -> list[tuple[int, int]]:
+    """(out, in) of the linears float8 converts in one block: attention q, k, v, o and the SwiGLU."""
+    head_dim = args.head_dim or args.dim // args.n_heads
+    kv = (args.n_kv_heads or args.n_heads) * head_dim
+    q = args.n_heads * head_dim
+    return [(q, args.dim), (kv, args.dim), (kv, args.dim), (args.dim, q),
+            (args.ffn_dim, args.dim), (args.ffn_dim, args.dim), (args.dim, args.ffn_dim)]
+
+
+def amaxes(ws):
+    return [w.abs().amax() for w in ws]
+
+
+def cast(w, amax):
+    scale = E4M3_MAX / amax.float().clamp(min=1e-12)
+    return (w.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def casts_given_amax(ws, ams):
+    return [cast(w, a) for w, a in zip(ws, ams)]
+
+
+def amax_cast_and_transpose(ws):
+    out = []
+    for w in ws:
+        w8 = cast(w, w.abs().amax())
+        out.append((w8, w8.t().contiguous()))
+    return out
+
+
+def ms_per_call(fn, *a, n: int = 20) -> float:
+    for _ in range(3):
+        fn(*a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn(*a)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama")
+    ap.add_argument("--flavor", default="1.36B")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.exit(2, "float8_weight_casts: needs a CUDA GPU\n")
+    args = get_model_args(a.model, a.flavor)
+    ws = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02
+          for _ in range(args.n_layers) for s in block_weight_shapes(args)]
+    ams = amaxes(ws)
+    rows = [
+        ("amax pass, compiled, one reduction per weight", ms_per_call(torch.compile(amaxes), ws)),
+        ("amax pass, torch._foreach_norm(inf)", ms_per_call(lambda x: torch._foreach_norm(x, float("inf")), ws)),
+        ("amax + cast + transposed copy, compiled", ms_per_call(torch.compile(amax_cast_and_transpose), ws)),
+        ("cast only (amax given), compiled", ms_per_call(torch.compile(casts_given_amax), ws, ams)),
+    ]
+    gb = sum(w.numel() for w in ws) * 2 / 1e9
+    print(f"{a.model} {a.flavor}: {len(ws)} float8 weights, {gb:.2f} GB in bf16, {torch.cuda.get_device_name()}")
+    for name, ms in rows:
+        print(f"{name:<50} {ms:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
