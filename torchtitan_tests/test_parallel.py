@@ -263,6 +263,27 @@ def test_float8_filter_skips_output_and_odd_shapes():
     assert not _float8_eligible(nn.Linear(128, 100), "layers.0.attention.wq")
 
 
+@pytest.mark.parametrize("name,flavor", [("llama", "1.36B"), ("qwen3", "1.8B")])
+def test_float8_weight_casts_benchmark_covers_what_float8_converts(name, flavor):
+    """benchmarks/float8_weight_casts.py times the weights the float8 filter converts, no more, no fewer."""
+    import importlib.util
+
+    import torch.nn as nn
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel.parallelize import _float8_eligible
+
+    spec = importlib.util.spec_from_file_location("float8_weight_casts", ROOT / "benchmarks" / "float8_weight_casts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = get_model_args(name, flavor)
+    with torch.device("meta"):
+        model = build_model(args, "manual", 128)
+    converted = sorted(tuple(m.weight.shape) for fqn, m in model.named_modules()
+                       if isinstance(m, nn.Linear) and _float8_eligible(m, fqn))
+    assert sorted(bench.block_weight_shapes(args) * args.n_layers) == converted
+
+
 def test_float8_emulated_converts_and_trains(tmp_path):
     """float8.emulate swaps the eligible linears for torchao's Float8Linear and still learns."""
     t = Trainer(load_config(base_args(tmp_path, 4, "--float8.enable", "--float8.emulate",
