@@ -12,19 +12,20 @@ import argparse
 import time
 
 import torch
+import torch.nn as nn
 
-from titanlite.models import get_model_args
+from titanlite.models import MODEL_REGISTRY, build_model, get_model_args
+from titanlite.parallel.parallelize import _float8_eligible
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def block_weight_shapes(args) -> list[tuple[int, int]]:
-    """(out, in) of the linears float8 converts in one block: attention q, k, v, o and the SwiGLU."""
-    head_dim = args.head_dim or args.dim // args.n_heads
-    kv = (args.n_kv_heads or args.n_heads) * head_dim
-    q = args.n_heads * head_dim
-    return [(q, args.dim), (kv, args.dim), (kv, args.dim), (args.dim, q),
-            (args.ffn_dim, args.dim), (args.ffn_dim, args.dim), (args.dim, args.ffn_dim)]
+def float8_weight_shapes(model: str, flavor: str) -> list[tuple[int, int]]:
+    """(out, in) of every linear titanlite's float8 filter converts, from the model built on meta."""
+    with torch.device("meta"):
+        m = build_model(get_model_args(model, flavor))
+    return [tuple(mod.weight.shape) for fqn, mod in m.named_modules()
+            if isinstance(mod, nn.Linear) and _float8_eligible(mod, fqn)]
 
 
 def amaxes(ws):
@@ -61,14 +62,14 @@ def ms_per_call(fn, *a, n: int = 20) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama")
+    ap.add_argument("--model", default="llama", choices=sorted(MODEL_REGISTRY))
     ap.add_argument("--flavor", default="1.36B")
     a = ap.parse_args()
+    if a.flavor not in MODEL_REGISTRY[a.model].flavors:
+        ap.error(f"{a.model} has no flavor {a.flavor!r}; it has {', '.join(MODEL_REGISTRY[a.model].flavors)}")
     if not torch.cuda.is_available():
         ap.exit(2, "float8_weight_casts: needs a CUDA GPU\n")
-    args = get_model_args(a.model, a.flavor)
-    ws = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02
-          for _ in range(args.n_layers) for s in block_weight_shapes(args)]
+    ws = [torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02 for s in float8_weight_shapes(a.model, a.flavor)]
     ams = amaxes(ws)
     rows = [
         ("amax pass, compiled, one reduction per weight", ms_per_call(torch.compile(amaxes), ws)),
