@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
-from titanlite.config.manager import autocasts, data_parallel_mode, hsdp_shape
+from titanlite.config.manager import autocasts, bf16_copies, data_parallel_mode, hsdp_shape
 from titanlite.parallel.data_parallel import apply_ddp
 from titanlite.parallel.apply import apply_ac, apply_bf16_params, apply_float8
 
@@ -125,8 +125,8 @@ class _NoBucketRebuild:
 
 def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
     """MasterAdamW's update as the GPU runs it: one kernel reading g, p, lo, m, v and writing p, lo, m, v
-    (lo None: p is its own master) (its eager reference, run here for the values, would be counted op
-    by op: about 4x the bytes)."""
+    and the bf16 copy (lo None: p is its own master; the copy, the last argument, may be None) (its
+    eager reference, run here for the values, would be counted op by op: about 4x the bytes)."""
     from titanlite.optim import _master_adamw_update
 
     counting, tracker.count_work = tracker.count_work, False
@@ -136,7 +136,9 @@ def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
         tracker.count_work = counting
     if counting:
         work = tracker.work[tracker.phase]
-        work.memory_bytes += nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v)) + (0 if lo is None else 2 * nbytes(lo))
+        copy = args[-1]
+        work.memory_bytes += (nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v)) + (0 if lo is None else 2 * nbytes(lo))
+                              + (0 if copy is None else nbytes(copy)))
         work.ops += 1
 
 
@@ -183,8 +185,8 @@ class FakeRun:
             model.to_empty(device="cpu")
             if self.args.tie_embeddings:  # values do not matter on fake tensors, the sharing does
                 model.output.weight = model.tok_embeddings.weight
-            if run_cfg.training.bf16_params:  # as parallelize: bf16 weights before any wrapping
-                apply_bf16_params(model)
+            if bf16_copies(run_cfg, world):  # as parallelize (on CUDA): before any wrapping
+                apply_bf16_params(model, self.mode)
             if self.mode in ("fsdp", "hsdp"):
                 from titanlite.parallel.data_parallel import _fsdp
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -12,8 +13,9 @@ from titanlite.parallel.modes import MODES
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none") -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
-    training.bf16_params or optimizer.moments_dtype=bfloat16: titanlite's MasterAdamW (fp32 masters of
-    the bf16 parameters; moments in either dtype).
+    Master weights (parameters with a bf16 copy or stored in bf16, see training.bf16_params) or
+    optimizer.moments_dtype=bfloat16: titanlite's MasterAdamW (it rewrites the copies and keeps the
+    masters of bf16 parameters; moments in either dtype).
     dp_mode "zero1": ZeroRedundancyOptimizer shards the AdamW state over the data-parallel ranks
     (each rank steps its share of the parameters, then broadcasts them); the update is the same.
     training.cuda_graphs on CUDA: capturable AdamW with the lr as a device tensor (the scheduler
@@ -27,17 +29,24 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     fused = device.type == "cuda" if o.fused == "auto" else o.fused == "true"
     graphs = cfg.training.cuda_graphs and device.type == "cuda"
     lr = torch.tensor(o.lr, device=device) if graphs else o.lr
-    if cfg.training.bf16_params or o.moments_dtype == "bfloat16":  # capturable as it is, given the lr on device
-        return MasterAdamW(groups, lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
-                           moments_dtype=getattr(torch, o.moments_dtype))
+    zero = MODES[dp_mode].optimizer == "zero"
+    if o.moments_dtype == "bfloat16" or any(has_master(p) for p in params):  # capturable as it is, given the lr on device
+        kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, moments_dtype=getattr(torch, o.moments_dtype))
+        return zero_master_adamw(groups, **kw) if zero else MasterAdamW(groups, **kw)
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
         kw.update(capturable=True)
-    if MODES[dp_mode].optimizer == "zero":
+    if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(groups, **kw)
+
+
+def has_master(p: torch.Tensor) -> bool:
+    """Does `p` need MasterAdamW: an fp32 master with a bf16 copy to rewrite (titanlite.ops.master_linear),
+    or a bf16 parameter whose fp32 master the optimizer keeps?"""
+    return p.dtype == torch.bfloat16 or hasattr(p, "bf16_copy")
 
 
 def master_low_bits(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -60,9 +69,10 @@ def join_master(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 def _master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
-                         bias1, bias2_sqrt, grad_scale, keep) -> None:
-    """AdamW on one fp32 master weight, held as the bf16 parameter `p` and its low bits `lo`
-    (join_master), rewriting both from the updated master (`lo` None: `p` is fp32 and its own master).
+                         bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
+    """AdamW on one fp32 master weight, rewriting what holds it. The master is the bf16 parameter `p`
+    with its low bits `lo` (join_master; both are rewritten), or, with `lo` None, the fp32 `p` itself,
+    whose bf16 copy `copy` (titanlite.ops.master_linear), when given, is rewritten as its rounding.
 
     All tensors arrive flattened to 1-D. The moments `m`, `v` are fp32 or bf16 (optimizer.moments_dtype);
     the arithmetic is fp32 either way. This is the CPU path and the reference of the CUDA kernel
@@ -80,31 +90,40 @@ def _master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: flo
     p.copy_(w_new)
     if lo is not None:
         lo.copy_(master_low_bits(w_new, p))
+    if copy is not None:
+        copy.copy_(w_new)
 
 
 class MasterAdamW(torch.optim.Optimizer):
-    """AdamW for bf16 parameters with fp32 master weights (training.bf16_params), and with fp32 or bf16
-    moments (optimizer.moments_dtype).
+    """AdamW over fp32 master weights (training.bf16_params), with fp32 or bf16 moments
+    (optimizer.moments_dtype).
 
-    Autocast then finds the block matrices in bf16 already, so the per-step casts of each weight to
-    bf16 (forward) and of each weight gradient back to fp32 (backward) disappear. The optimizer state
-    holds, per bf16 parameter, the low 16 bits of its fp32 master (`master_lo`: the parameter holds the
-    high ones, see master_low_bits; `master(p)` gives the fp32 value), the moments and the step. fp32
-    parameters (embeddings, norms, output head) are their own masters: plain AdamW. On CUDA with
-    `fused` the update is one Triton pass over each parameter, launched once per group and dtype (once
-    per parameter while a CUDA graph is captured; titanlite.ops.master_adamw); elsewhere
-    `_master_adamw_update` runs eagerly (the reference the kernel is tested against).
+    Three kinds of parameters, each updated as torch's AdamW updates an fp32 parameter:
+    - fp32 with a bf16 copy (`p.bf16_copy`, the blocks' matrices: titanlite.ops.master_linear): the
+      parameter is the master; the update also rewrites the copy, as its rounding.
+    - bf16 (float8's matrices under training.bf16_params): the optimizer state holds the low 16 bits
+      of the fp32 master (`master_lo`: the parameter holds the high ones, see master_low_bits;
+      `master(p)` gives the fp32 value).
+    - fp32 without a copy (embeddings, norms, output head): its own master, plain AdamW.
+    The state also holds the moments and the step. On CUDA with `fused` the update is one Triton
+    pass over each parameter, launched once per group and kind (once per parameter while a CUDA
+    graph is captured; titanlite.ops.master_adamw); elsewhere `_master_adamw_update` runs eagerly (the
+    reference the kernel is tested against).
     Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, fused: bool = False, moments_dtype: torch.dtype = torch.float32):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # torch's AdamW keeps these in its parameter groups too, here with the values that describe this
+        # update: checkpoints of either optimizer then hold every key the other asks for (DCP loads key by key)
+        adamw = dict(amsgrad=False, maximize=False, foreach=None, capturable=isinstance(lr, torch.Tensor),
+                     differentiable=False, fused=fused, decoupled_weight_decay=True)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw))
         self.fused = fused
         self.update_fn = None  # replaces the per-parameter update (estimation's fake run counts the kernel's bytes)
         self.grad_scale = self.found_inf = None
-        self._launch_cache: dict = {}  # per (group, fp32 or bf16 parameters): the fused launch's tables
+        self._launch_cache: dict = {}  # per (group, kind of parameter): the fused launch's tables
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
@@ -124,11 +143,14 @@ class MasterAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_masters(self) -> None:
-        """Take the masters from the parameters (after weights were loaded into the model alone)."""
+        """Take the masters from the parameters (after weights were loaded into the model alone): the
+        low bits of bf16 parameters go, bf16 copies are rewritten."""
         for group in self.param_groups:
             for p in group["params"]:
                 if "master_lo" in self.state[p]:
                     self.state[p]["master_lo"].zero_()
+                if hasattr(p, "bf16_copy"):
+                    p.bf16_copy.copy_(p)
 
     def load_state_dict(self, state_dict) -> None:
         # torch's loader casts every floating-point state tensor to its parameter's dtype, which would
@@ -144,6 +166,10 @@ class MasterAdamW(torch.optim.Optimizer):
                 for k, t in own[p].items():
                     t.copy_(saved[i][k])
                 self.state[p] = own[p]
+
+    def _kind(self, p: torch.Tensor) -> str:
+        """"lo": a bf16 parameter with its master's low bits; "copy": fp32 with a bf16 copy; "own": fp32."""
+        return "lo" if "master_lo" in self.state[p] else "copy" if hasattr(p, "bf16_copy") else "own"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,22 +200,69 @@ class MasterAdamW(torch.optim.Optimizer):
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             args = (lr_on_device[lr], group["weight_decay"], beta1, beta2, eps, bias1, bias2_sqrt, scale, keep)
-            for own in (True, False):  # fp32 parameters (their own masters), then bf16 ones with low bits
-                ps = [p for g, p in work if g is group and ("master_lo" not in self.state[p]) == own]
+            for kind in ("own", "copy", "lo"):
+                ps = [p for g, p in work if g is group and self._kind(p) == kind]
                 if not ps:
                     continue
                 st = [self.state[p] for p in ps]
-                los = None if own else [s["master_lo"] for s in st]
+                los = [s["master_lo"] for s in st] if kind == "lo" else None
+                copies = [p.bf16_copy for p in ps] if kind == "copy" else None
                 if many is not None and many(ps, [p.grad for p in ps], los, [s["exp_avg"] for s in st],
-                                             [s["exp_avg_sq"] for s in st], *args,
-                                             cache=self._launch_cache.setdefault((i, own), {})):
+                                             [s["exp_avg_sq"] for s in st], *args, copies=copies,
+                                             cache=self._launch_cache.setdefault((i, kind), {})):
                     continue
-                for p, s in zip(ps, st):
-                    update(p.view(-1), p.grad.view(-1), None if own else s["master_lo"].view(-1),
-                           s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1), *args)
+                for j, (p, s) in enumerate(zip(ps, st)):
+                    update(p.view(-1), p.grad.view(-1), None if los is None else los[j].view(-1),
+                           s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1), *args,
+                           None if copies is None else copies[j].view(-1))
         torch._foreach_copy_(steps, [step] * len(steps))
         self.grad_scale = self.found_inf = None
         return None
+
+
+def zero_master_adamw(groups, moments_dtype: torch.dtype, **kw) -> torch.optim.Optimizer:
+    """zero1 over MasterAdamW: a ZeroRedundancyOptimizer whose per-rank optimizer (of its share of
+    the parameters) is MasterAdamW; `kw` are MasterAdamW's hyperparameters. (The moments' dtype is
+    bound to the class, not passed through ZeroRedundancyOptimizer, which would copy it into every
+    parameter group and so into checkpoints, where a ddp run's would lack it.)"""
+    return _zero_master_adamw_class()(groups, optimizer_class=functools.partial(MasterAdamW, moments_dtype=moments_dtype),
+                                      **kw)
+
+
+@functools.cache
+def _zero_master_adamw_class():
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # on first use: it imports much of torch.distributed
+
+    class ZeroMasterAdamW(ZeroRedundancyOptimizer):
+        """ZeroRedundancyOptimizer broadcasts the updated fp32 masters from their owners; each rank then
+        rewrites the bf16 copies of the parameters it did not update (the update kernel wrote those of
+        its own). The fused clip's `grad_scale` / `found_inf`, set on this object, go to the local
+        MasterAdamW."""
+
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            self.grad_scale = self.found_inf = None
+            local = {p for g in self.optim.param_groups for p in g["params"]}
+            self.others = [p for g in self.param_groups for p in g["params"]
+                           if p not in local and hasattr(p, "bf16_copy")]
+
+        def step(self, closure=None):
+            self.optim.grad_scale, self.optim.found_inf = self.grad_scale, self.found_inf
+            self.grad_scale = self.found_inf = None
+            loss = super().step(closure)
+            self.refresh_others()
+            return loss
+
+        @torch.no_grad()
+        def refresh_others(self) -> None:
+            for p in self.others:
+                p.bf16_copy.copy_(p)
+
+        def sync_masters(self) -> None:
+            self.optim.sync_masters()
+            self.refresh_others()
+
+    return ZeroMasterAdamW
 
 
 def lr_factor(step: int, total: int, warmup: int, decay_type: str, min_factor: float, decay_ratio: float) -> float:

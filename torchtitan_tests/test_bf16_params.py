@@ -1,12 +1,14 @@
-"""training.bf16_params: bf16 parameters with fp32 master weights in titanlite.optim.MasterAdamW
-(the parameter holds each master's high 16 bits, the optimizer state the low 16), and
-optimizer.moments_dtype=bfloat16.
+"""titanlite.optim.MasterAdamW and optimizer.moments_dtype=bfloat16, and how training.bf16_params
+maps onto the modes.
 
+MasterAdamW's masters are fp32 parameters whose bf16 copy it rewrites (training.bf16_params' block
+matrices), or bf16 parameters holding each master's high 16 bits with the low 16 in the optimizer
+state (float8's matrices under training.bf16_params; the tests below build those directly).
 The update must be torch's AdamW (same formula, same clip and skip semantics) applied to the fp32
-masters, with each bf16 parameter the rounding of its master; bf16 moments must be the rounding of
-what the fp32 arithmetic gives; checkpoints must keep the masters exact; the combinations it cannot
-serve are refused by name. Loss parity with the fp32 path and under
-ddp is in test_parallel.py, resume in test_checkpoint.py.
+masters, with each bf16 parameter or copy the rounding of its master; bf16 moments must be the
+rounding of what the fp32 arithmetic gives; checkpoints must keep the masters exact. The bf16
+copies' GEMMs, fp32 gradient accumulation, loss parity with autocast, ddp / zero1 and checkpoints
+are in test_master_linear.py.
 """
 
 import pytest
@@ -159,6 +161,42 @@ def test_kernel_is_the_eager_update(moments, launch, monkeypatch):
                                        rtol=1e-5 if moments == torch.float32 else 2 ** -7, atol=1e-7)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", ["one per group", "one per parameter"])
+def test_kernel_writes_the_bf16_copies(launch, monkeypatch):
+    """fp32 masters with bf16 copies (training.bf16_params' matrices) beside one without: the kernel
+    updates the masters as the eager reference does (within fp32 rounding) and writes each copy as
+    the exact rounding of its new master."""
+    import titanlite.ops.master_adamw as kernels
+
+    if launch == "one per parameter":
+        monkeypatch.setattr(kernels, "master_adamw_update_many", lambda *a, **k: False)
+    torch.manual_seed(0)
+    masters = [torch.randn(s) for s in [(64, 32), (48, 64), (5000,)]]
+
+    def build(device, fused):
+        params = [torch.nn.Parameter(w.to(device)) for w in masters]
+        for p in params[:2]:
+            p.bf16_copy = p.detach().bfloat16()
+        return params, MasterAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                   fused=fused)
+
+    (ref, eager), (gpu, fused) = build("cpu", False), build("cuda", True)
+    for _ in range(3):
+        for w, wg in zip(ref, gpu):
+            w.grad = torch.randn(w.shape)
+            wg.grad = w.grad.cuda()
+        eager.step()
+        fused.step()
+    assert sum("table" in c for c in fused._launch_cache.values()) == (2 if launch == "one per group" else 0)
+    for w, wg in zip(ref, gpu):
+        torch.testing.assert_close(wg.detach().cpu(), w.detach(), rtol=1e-6, atol=1e-7)
+        assert "master_lo" not in fused.state[wg]
+    for wg in gpu[:2]:
+        assert torch.equal(wg.bf16_copy, wg.detach().bfloat16())
+        assert not torch.equal(wg.bf16_copy.cpu(), masters[0 if wg.shape == (64, 32) else 1].bfloat16())  # it moved
+
+
 def test_state_dict_round_trip_is_exact():
     """torch's Optimizer.load_state_dict casts state to the parameter dtype (bf16 here): ours must not;
     moments saved in one moments_dtype load into the other."""
@@ -178,26 +216,39 @@ def test_state_dict_round_trip_is_exact():
     assert all(torch.equal(b2.master(w), w.float()) for w in low2)
 
 
-@pytest.mark.parametrize("extra, world, needle", [
-    (["--parallelism.data_parallel", "fsdp"], 2, "data_parallel=fsdp: FSDP keeps fp32 shards"),
-    (["--parallelism.data_parallel", "hsdp"], 2, "data_parallel=hsdp"),
-    (["--parallelism.data_parallel", "zero1"], 2, "data_parallel=zero1: ZeroRedundancyOptimizer"),
-    (["--training.mixed_precision_param", "float32"], 1, "needs training.mixed_precision_param=bfloat16"),
+@pytest.mark.parametrize("extra, world, device, copies, autocast", [
+    ([], 1, "cuda", True, True),  # the default on one GPU
+    (["--parallelism.data_parallel", "ddp"], 2, "cuda", True, True),
+    (["--parallelism.data_parallel", "zero1"], 2, "cuda", True, True),
+    (["--parallelism.data_parallel", "fsdp"], 2, "cuda", False, False),  # FSDP's policy gathers bf16 instead
+    (["--parallelism.data_parallel", "hsdp"], 2, "cuda", False, False),
+    (["--parallelism.data_parallel", "fsdp"], 1, "cuda", True, True),  # one rank runs the single-device path
+    (["--training.bf16_params=false"], 1, "cuda", False, True),  # plain autocast
+    (["--training.mixed_precision_param", "float32"], 1, "cuda", False, False),  # nothing in bf16
+    ([], 1, "cpu", False, False),  # auto: CPU computes in fp32
+    (["--training.mixed_precision_param", "bfloat16"], 1, "cpu", True, True),
 ])
-def test_unsupported_combinations_are_refused(extra, world, needle):
-    with pytest.raises(ConfigError, match=needle):
-        check_combination(load_config(["--training.bf16_params", *extra]), world)
+def test_bf16_params_by_mode_and_precision(extra, world, device, copies, autocast):
+    """training.bf16_params is on by default and refused nowhere: where the run computes in bf16, one
+    device, ddp and zero1 keep bf16 copies of the matrices (with autocast for the rest); fsdp/hsdp
+    get bf16 from FSDP's policy, without autocast."""
+    from titanlite.config.manager import autocasts, bf16_copies
+
+    cfg = load_config(extra)
+    check_combination(cfg, world)
+    assert bf16_copies(cfg, world, device) == copies and autocasts(cfg, world, device) == autocast
 
 
 @pytest.mark.parametrize("extra, world, needle", [
     (["--parallelism.data_parallel", "fsdp"], 2, "moments_dtype=bfloat16 with parallelism.data_parallel=fsdp"),
-    (["--parallelism.data_parallel", "zero1"], 2, "data_parallel=zero1: the bf16 moments live in"),
     (["--optimizer.beta2", "0.999"], 1, "beta2=0.999: the second moment would change by less than bf16"),
 ])
 def test_bf16_moments_unsupported_combinations_are_refused(extra, world, needle):
     with pytest.raises(ConfigError, match=needle):
         check_combination(load_config(["--optimizer.moments_dtype", "bfloat16", *extra]), world)
-    check_combination(load_config(["--optimizer.moments_dtype", "bfloat16", "--parallelism.data_parallel", "ddp"]), 2)
+    for mode in ("ddp", "zero1"):  # zero1 runs MasterAdamW as its per-rank optimizer
+        check_combination(load_config(["--optimizer.moments_dtype", "bfloat16", "--parallelism.data_parallel", mode]),
+                          2)
 
 
 def test_supported_combinations_pass():
@@ -206,9 +257,10 @@ def test_supported_combinations_pass():
     check_combination(load_config(["--training.bf16_params", "--training.cuda_graphs"]), 1)
 
 
-def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch):
-    """checkpoint.initial_load_path loads the model alone: without taking the masters from it, the
-    first update would overwrite the loaded weights with the random initialisation's masters."""
+def test_initial_load_gives_the_copies_the_loaded_weights(tmp_path, monkeypatch):
+    """checkpoint.initial_load_path loads the model alone (here by writing into the parameters, not
+    through load_state_dict): the bf16 copies must follow the loaded masters, or the first steps
+    would compute with the random initialisation."""
     import titanlite.checkpoint.hf as hf
     from titanlite.train import Trainer
 
@@ -218,18 +270,18 @@ def test_initial_load_gives_the_masters_the_loaded_weights(tmp_path, monkeypatch
                 p.fill_(0.01 * (i + 1))
 
     monkeypatch.setattr(hf, "load_hf_into", fake_load)
-    t = Trainer(load_config(["--training.bf16_params", "--training.dataset", "synthetic", "--training.seq_len", "32",
-                             "--training.local_batch_size", "2", "--metrics.progress_bar=false",
-                             "--data.num_workers", "0", "--job.dump_folder", str(tmp_path),
-                             "--checkpoint.initial_load_path", str(tmp_path)]))
+    t = Trainer(load_config(["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic",
+                             "--training.seq_len", "32", "--training.local_batch_size", "2",
+                             "--metrics.progress_bar=false", "--data.num_workers", "0", "--job.dump_folder",
+                             str(tmp_path), "--checkpoint.initial_load_path", str(tmp_path)]))
     try:
-        masters = 0
+        copies = 0
         for i, p in enumerate(t.model.parameters()):
-            loaded = torch.full(p.shape, 0.01 * (i + 1), device=p.device).to(p.dtype).float()
-            assert torch.equal(p.float(), loaded)
-            if p.dtype == torch.bfloat16:  # fp32 parameters are their own masters
-                masters += torch.equal(t.optimizer.master(p), loaded)
-        assert masters == sum(p.dtype == torch.bfloat16 for p in t.model.parameters()) > 0
+            loaded = torch.full(p.shape, 0.01 * (i + 1), device=p.device)
+            assert torch.equal(t.optimizer.master(p), loaded)
+            if hasattr(p, "bf16_copy"):
+                copies += torch.equal(p.bf16_copy, loaded.bfloat16())
+        assert copies == sum(hasattr(p, "bf16_copy") for p in t.model.parameters()) > 0
     finally:
         t.close()
 
@@ -240,10 +292,11 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
     from titanlite.parallel.cuda_graphs import CudaGraphStep
     from titanlite.train import Trainer
 
-    argv = ["--training.bf16_params", "--training.dataset", "synthetic", "--training.seq_len", "32",
+    argv = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic", "--training.seq_len", "32",
             "--training.local_batch_size", "2", "--metrics.progress_bar=false", "--data.num_workers", "0",
             "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0.1"]
     eager, captured = (Trainer(load_config(argv + ["--job.dump_folder", str(tmp_path / n)])) for n in "ab")
+    assert type(captured.optimizer) is MasterAdamW
     try:
         eager.train_step()
         graph = CudaGraphStep(captured.model, captured.optimizer, captured.forward_loss, 1, 0.1, captured.device, 1,

@@ -107,19 +107,6 @@ def test_async_save_resumes_exactly(base, tmp_path):
     assert losses(t) == {5: expected[5], 6: expected[6]}
 
 
-def test_bf16_params_resume_exactly(tmp_path):
-    """training.bf16_params: the masters' low bits and the fp32 moments travel in the optimizer state
-    and load back unrounded (torch's loader would cast them to the bf16 parameters' dtype), so a
-    resume is bit-exact."""
-    whole = losses(train(tmp_path, "--training.bf16_params"))
-    t = train(tmp_path, "--training.bf16_params", "--checkpoint.load_step", "4")
-    assert losses(t) == {5: whole[5], 6: whole[6]}
-    states = [st for st in t.optimizer.state.values() if "master_lo" in st]
-    assert states and all(st["master_lo"].dtype == torch.int16 and st["exp_avg"].dtype == torch.float32
-                          for st in states)
-    assert any(st["master_lo"].count_nonzero() for st in states)  # the masters are not just the bf16 weights
-
-
 def test_bf16_moments_resume_exactly(tmp_path):
     """optimizer.moments_dtype=bfloat16 (without bf16_params: MasterAdamW over fp32 parameters) resumes
     bit for bit, and its moments are stored in bf16."""

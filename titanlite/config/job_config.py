@@ -49,8 +49,8 @@ class Optimizer:
     fuse_clip: bool = doc(True, "with the fused kernel, apply the grad-norm clip inside it (saves a pass over the grads)")
     moments_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "dtype of AdamW's two moments; bfloat16 halves their memory and the update's traffic (the "
-                   "arithmetic stays fp32, stores round to nearest), with titanlite's MasterAdamW: 1 device or ddp, "
-                   "beta2 <= 0.99. Convergence: docs/performance.md")
+                   "arithmetic stays fp32, stores round to nearest), with titanlite's MasterAdamW: 1 device, ddp or "
+                   "zero1, beta2 <= 0.99. Convergence: docs/performance.md")
 
 
 @dataclass
@@ -73,16 +73,19 @@ class Training:
     seq_len: int = doc(2048, "tokens per sequence", min=2)
     steps: int = doc(1000, "optimizer steps to train", min=1)
     max_norm: float = doc(1.0, "gradient-norm clip (0 disables clipping)", min=0.0)
-    mixed_precision_param: Literal["bfloat16", "float32"] = doc(
-        "bfloat16", "compute dtype on GPU (bf16 autocast or FSDP param dtype); CPU runs float32 "
-                    "unless training.bf16_params")
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = doc(
+        "auto", "compute dtype: auto = bf16 on CUDA, fp32 elsewhere; bfloat16 = bf16 on any device (CPU too: "
+                "slow, for tests); float32. bf16 comes from training.bf16_params or autocast (1 device, ddp, "
+                "zero1), or from FSDP's parameter dtype (fsdp, hsdp)")
     bf16_params: bool = doc(
-        False, "store the transformer blocks' matrices in bf16 (1 device or ddp), with fp32 master weights in the "
-               "optimizer, started from the fp32 init and updated with the bf16 copy in one fused kernel: autocast "
-               "stays on and finds them in bf16, so their per-step casts go; embeddings, norms, head and residual "
-               "stream stay fp32 as under autocast (ddp all-reduces the matrices' gradients in bf16). Any device "
-               "(CPU too). Masters are kept as 16 low bits beside the bf16 weight (exact). Faster and smaller; "
-               "converged as autocast in 200-step runs: see docs/performance.md")
+        True, "where the run computes in bf16 on 1 device, ddp or zero1: the transformer blocks' matrices stay fp32 "
+              "master parameters and multiply bf16 copies of themselves, which the optimizer rewrites as it updates "
+              "the masters (one fused kernel), so autocast's per-step weight casts go; each weight gradient comes "
+              "out of its GEMM in fp32 and later micro-steps add into it there, so accumulation and the ddp "
+              "all-reduce are fp32; embeddings, norms, head and residual stream stay fp32 under autocast. float8's "
+              "matrices keep bf16 weights and gradients instead (fp32 under zero1). fsdp/hsdp: FSDP's "
+              "mixed-precision policy does the equivalent. false: plain autocast (casts each weight every "
+              "forward). See docs/performance.md")
     seed: int = doc(42, "seed for weights, data order and dropout-free RNG")
     deterministic: bool = doc(False, "use deterministic algorithms (slower)")
     on_nan: Literal["stop", "skip"] = doc("stop", "non-finite loss: stop naming the step, or skip the update")

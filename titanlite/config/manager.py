@@ -241,14 +241,25 @@ def run_mode(cfg: JobConfig, world: int):
     return MODES[data_parallel_mode(cfg, world)]
 
 
+def computes_bf16(cfg: JobConfig, device_type: str) -> bool:
+    """Does a run on `device_type` compute in bf16? training.mixed_precision_param: auto on CUDA only,
+    bfloat16 on any device."""
+    precision = cfg.training.mixed_precision_param
+    return precision == "bfloat16" or (precision == "auto" and device_type == "cuda")
+
+
 def autocasts(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
-    """Does the forward run under bf16 autocast? On CUDA in bf16, unless the mode shards parameters
-    (FSDP's policy then gives bf16 parameters); with training.bf16_params on any device (the blocks'
-    matrices are stored in bf16, everything else is left to autocast)."""
-    if cfg.training.bf16_params:
-        return True
-    return (device_type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-            and not run_mode(cfg, world).shards_params)
+    """Does the forward run under bf16 autocast? Where the run computes in bf16, unless the mode
+    shards parameters (FSDP's policy then gives bf16 parameters). With training.bf16_params the
+    blocks' matrices multiply their own bf16 copies and everything else is left to autocast."""
+    return computes_bf16(cfg, device_type) and not run_mode(cfg, world).shards_params
+
+
+def bf16_copies(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
+    """Do the blocks' matrices keep bf16 copies of fp32 masters (training.bf16_params)? Where the run
+    computes in bf16 and its mode realises the setting with copies (the Mode record's bf16_params)."""
+    return (cfg.training.bf16_params and computes_bf16(cfg, device_type)
+            and run_mode(cfg, world).bf16_params == "copies")
 
 
 def check_world_size(cfg: JobConfig, world: int) -> None:
@@ -293,13 +304,6 @@ def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
                           "host to skip its optimizer update")
 
 
-def check_bf16_params(cfg: JobConfig, world: int) -> None:
-    """training.bf16_params runs on one device or under ddp, in bf16."""
-    refuse(cfg, world, "training.bf16_params")
-    if cfg.training.mixed_precision_param != "bfloat16":
-        raise ConfigError("training.bf16_params needs training.mixed_precision_param=bfloat16")
-
-
 def check_moments_dtype(cfg: JobConfig, world: int) -> None:
     """optimizer.moments_dtype=bfloat16 runs in MasterAdamW, and only with a beta2 bf16 can follow."""
     refuse(cfg, world, "optimizer.moments_dtype=bfloat16")
@@ -320,8 +324,6 @@ def check_combination(cfg: JobConfig, world: int) -> None:
         hsdp_shape(cfg, world)
     if cfg.training.cuda_graphs:
         check_cuda_graphs(cfg, world)
-    if cfg.training.bf16_params:
-        check_bf16_params(cfg, world)
     if cfg.optimizer.moments_dtype == "bfloat16":
         check_moments_dtype(cfg, world)
     if cfg.compile.coordinate_descent_tuning and not cfg.compile.enable:

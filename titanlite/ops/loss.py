@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titanlite.ops.master_linear import fp32_mm
+
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy with an fp32 softmax."""
@@ -32,16 +34,6 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, inv_n: floa
     x.sub_(lse).exp_()  # softmax
     x.scatter_add_(1, labels[:, None], torch.full((labels.shape[0], 1), -1.0, device=x.device))
     return loss_sum, x.mul_(inv_n).to(logits.dtype)
-
-
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b for low-precision a, b. On CUDA one GEMM with an fp32 output adds into acc
-    (each chunk's product is not rounded to bf16 first, and the separate add, 1.1 ms a step at the
-    1.36B shapes on an H100, goes); elsewhere the product, then the add."""
-    if acc.is_cuda and a.dtype != acc.dtype:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += a @ b
 
 
 _compiled_chunk_fn = None
@@ -72,7 +64,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             loss_sum, g = fn(hc @ w.t(), yc, 1.0 / n)
             total += loss_sum
             grad_h[start : start + chunk_tokens] = g @ w
-            _accumulate_mm(grad_w, g.t(), hc)
+            fp32_mm(g.t(), hc, grad_w)  # each chunk adds into the fp32 gradient inside its GEMM, unrounded
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
 

@@ -1,11 +1,15 @@
 """The fused master-weight AdamW update as Triton kernels (CUDA; imported only there).
 
-One pass over each parameter's elements: read the gradient, the bf16 parameter with its master's
-low bits (together the fp32 master, see titanlite.optim.master_low_bits) and both moments; write the
-parameter, the low bits and the moments. With fp32 moments that is 26 bytes per bf16 parameter
-(torch's fused AdamW moves 28 on fp32 parameters), with bf16 moments 18. An fp32 parameter is its own
-master (`lo` None). It computes what `titanlite.optim._master_adamw_update` computes (the CPU path
-and the reference of the tests).
+One pass over each parameter's elements: read the gradient, the master and both moments; write
+the master and the moments, and what derives from the master. Per kind of parameter (see
+titanlite.optim.MasterAdamW), with fp32 moments:
+- fp32 with a bf16 copy (training.bf16_params' matrices): the fp32 gradient and master, the copy
+  written as the master's rounding: 30 bytes per parameter (22 with bf16 moments);
+- bf16 with its master's low bits (`lo`; together the fp32 master, see
+  titanlite.optim.master_low_bits): bf16 gradient, parameter and low bits: 26 bytes (18);
+- fp32, its own master (`lo` and `copy` None): 28 bytes, what torch's fused AdamW moves (20).
+It computes what `titanlite.optim._master_adamw_update` computes (the CPU path and the reference of
+the tests).
 
 Two entry points share the update (`_update_block`):
 - `master_adamw_update_many`: one launch for a whole list of parameters. Each program finds its
@@ -33,8 +37,16 @@ BLOCK = 1024
 
 
 @triton.jit
-def _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, offs, mask, lr, scale, bias1, bias2_sqrt,
-                  wd, beta1, beta2, eps, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+def _bf16_bits(w):
+    """The bits of w's bf16 rounding (to nearest even, what torch's .to(bfloat16) does), as int32."""
+    bits = w.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, lr, scale, bias1, bias2_sqrt,
+                  wd, beta1, beta2, eps, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr,
+                  WRITE_COPY: tl.constexpr):
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) / scale
     p = tl.load(p_ptr + offs, mask=mask)
     if OWN_MASTER:
@@ -55,47 +67,51 @@ def _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, offs, mask, lr, scale, bia
         tl.store(v_ptr + offs, v, mask=mask)
     if OWN_MASTER:
         tl.store(p_ptr + offs, w, mask=mask)
-    else:
-        # Round to nearest even on the bits (what torch's .to(bfloat16) does), then the remainder
-        bits = w.to(tl.int32, bitcast=True)
-        hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        if WRITE_COPY:
+            tl.store(copy_ptr + offs, _bf16_bits(w).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:  # the bf16 rounding, then the remainder
+        hi = _bf16_bits(w)
         tl.store(p_ptr + offs, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-        tl.store(lo_ptr + offs, tl.minimum(bits - hi * 65536, 32767).to(tl.int16), mask=mask)  # see master_low_bits
+        tl.store(lo_ptr + offs, tl.minimum(w.to(tl.int32, bitcast=True) - hi * 65536, 32767).to(tl.int16),
+                 mask=mask)  # see master_low_bits
 
 
 @triton.jit
-def _kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, n, lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr,
-            wd, beta1, beta2, eps, BLOCK: tl.constexpr, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+def _kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, n, lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr,
+            wd, beta1, beta2, eps, BLOCK: tl.constexpr, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr,
+            WRITE_COPY: tl.constexpr):
     if tl.load(keep_ptr) == 0:  # a skipped step (non-finite gradients) writes nothing
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, offs, offs < n, tl.load(lr_ptr), tl.load(scale_ptr),
-                      tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr), wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS)
+        _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, offs, offs < n, tl.load(lr_ptr),
+                      tl.load(scale_ptr), tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr), wd, beta1, beta2, eps,
+                      OWN_MASTER, BF16_MOMENTS, WRITE_COPY)
 
 
 @triton.jit
-def _many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, table_ptr, block_param_ptr, block_index_ptr, lr_ptr,
-                 scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr, wd, beta1, beta2, eps, BLOCK: tl.constexpr,
-                 OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr):
+def _many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, table_ptr, block_param_ptr, block_index_ptr,
+                 lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr, wd, beta1, beta2, eps, BLOCK: tl.constexpr,
+                 OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr, WRITE_COPY: tl.constexpr):
     if tl.load(keep_ptr) == 0:
         b = tl.program_id(0)
-        row = table_ptr + tl.load(block_param_ptr + b).to(tl.int64) * 6  # p, g, lo, m, v offsets; numel
+        row = table_ptr + tl.load(block_param_ptr + b).to(tl.int64) * 7  # p, g, lo, m, v, copy offsets; numel
         offs = tl.load(block_index_ptr + b).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         # The table holds every offset and numel divided by 8: multiplied back here, the compiler knows
         # them to be multiples of 8, which is what lets it issue 16-byte loads and stores (a masked
         # access is vectorised only when the mask is known to be constant over the vector)
         _update_block(p_ptr + tl.load(row) * 8, g_ptr + tl.load(row + 1) * 8, lo_ptr + tl.load(row + 2) * 8,
-                      m_ptr + tl.load(row + 3) * 8, v_ptr + tl.load(row + 4) * 8, offs, offs < tl.load(row + 5) * 8,
-                      tl.load(lr_ptr), tl.load(scale_ptr), tl.load(bias1_ptr), tl.load(bias2_sqrt_ptr),
-                      wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS)
+                      m_ptr + tl.load(row + 3) * 8, v_ptr + tl.load(row + 4) * 8, copy_ptr + tl.load(row + 5) * 8,
+                      offs, offs < tl.load(row + 6) * 8, tl.load(lr_ptr), tl.load(scale_ptr), tl.load(bias1_ptr),
+                      tl.load(bias2_sqrt_ptr), wd, beta1, beta2, eps, OWN_MASTER, BF16_MOMENTS, WRITE_COPY)
 
 
 def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
-                        bias1, bias2_sqrt, grad_scale, keep) -> None:
+                        bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
     """Same arguments as titanlite.optim._master_adamw_update (tensors contiguous, any shape)."""
     n, own_master = p.numel(), lo is None
-    _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, n, lr, grad_scale, keep.view(torch.uint8),
-                                      bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK, OWN_MASTER=own_master,
-                                      BF16_MOMENTS=m.dtype == torch.bfloat16, num_warps=4)
+    _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, p if copy is None else copy, n, lr,
+                                      grad_scale, keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps,
+                                      BLOCK=BLOCK, OWN_MASTER=own_master, BF16_MOMENTS=m.dtype == torch.bfloat16,
+                                      WRITE_COPY=copy is not None, num_warps=4)
 
 
 def _offset_table(roles: list[list[torch.Tensor]]) -> torch.Tensor | None:
@@ -123,13 +139,14 @@ def _block_tables(numels: tuple[int, ...], device) -> tuple[torch.Tensor, torch.
 
 
 def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, beta2: float, eps: float,
-                             bias1, bias2_sqrt, grad_scale, keep, cache: dict) -> bool:
-    """master_adamw_update over lists of tensors (all bf16 parameters with their low bits `los`, or all
-    fp32 with `los` None; one weight decay, one lr) in one launch. `cache` (a dict the caller keeps)
-    holds the tables between steps. Returns False, having done nothing, when an address or a size is
-    not a multiple of 8 elements; the caller then updates parameter by parameter."""
+                             bias1, bias2_sqrt, grad_scale, keep, copies, cache: dict) -> bool:
+    """master_adamw_update over lists of tensors of one kind (all bf16 parameters with their low bits
+    `los`, or all fp32 with `los` None, with their bf16 `copies` or all without; one weight decay, one
+    lr) in one launch. `cache` (a dict the caller keeps) holds the tables between steps. Returns
+    False, having done nothing, when an address or a size is not a multiple of 8 elements; the caller
+    then updates parameter by parameter."""
     own_master = los is None
-    roles = [ps, gs, ps if own_master else los, ms, vs]
+    roles = [ps, gs, ps if own_master else los, ms, vs, ps if copies is None else copies]
     where = tuple(t.data_ptr() for ts in roles for t in ts)
     if cache.get("where") != where:
         cache.update(where=where, table=_offset_table(roles))
@@ -141,5 +158,6 @@ def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, b
     param, index = cache["blocks"]
     _many_kernel[(param.numel(),)](*(ts[0] for ts in roles), cache["table"], param, index, lr, grad_scale,
                                    keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK,
-                                   OWN_MASTER=own_master, BF16_MOMENTS=ms[0].dtype == torch.bfloat16, num_warps=4)
+                                   OWN_MASTER=own_master, BF16_MOMENTS=ms[0].dtype == torch.bfloat16,
+                                   WRITE_COPY=copies is not None, num_warps=4)
     return True

@@ -1,7 +1,7 @@
 """parallelize(model, cfg, dims): apply the configured techniques in one documented order.
 
     float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
-    -> bf16 parameters (training.bf16_params) -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
+    -> bf16 copies of the blocks' matrices (training.bf16_params) -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
 
 The first three rewrite modules and run on the meta-device model. Weights are then materialised
 and initialised in full, identically on every rank (same seed, same device type, same op order as a
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
+from titanlite.config.manager import bf16_copies
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 from titanlite.parallel.modes import MODES
 
@@ -135,24 +136,29 @@ def apply_compile(model: nn.Module, cfg) -> None:
 
 
 # ------------------------------------------------------------------------------------- bf16 params
-def apply_bf16_params(model: nn.Module) -> None:
-    """Store the transformer blocks' matrices in bf16 (training.bf16_params); their fp32 masters are
-    the optimizer's (titanlite.optim.MasterAdamW).
+def apply_bf16_params(model: nn.Module, dp_mode: str) -> None:
+    """training.bf16_params: the transformer blocks' matrices multiply in bf16 without autocast's
+    per-step casts; everything else stays with autocast (embeddings, norms, output head, hence the
+    residual stream and its gradient stay fp32).
 
-    Autocast multiplies by exactly these roundings of the fp32 weights, so with bf16 weights its casts
-    (each weight every forward) and the fp32 copies of their gradients go, and nothing else changes:
-    the run keeps autocast, and what it keeps in fp32 stays fp32 (embeddings, norms, output head,
-    hence the residual stream and its gradient).
-
-    Each weight keeps its fp32 initialisation as `fp32_master`, which MasterAdamW adopts as its master.
-    Masters taken from the bf16 rounding instead sit exactly on the bf16 grid, where updates smaller
-    than half a bf16 step do not change the weights the forward sees; from the fp32 values they flip
-    in proportion, as under autocast. On an H100 the rounded start cost 0.12-0.15 in validation loss at
-    step 100 of a 1.36B run (docs/performance.md).
+    - nn.Linear: stays an fp32 master Parameter and multiplies a bf16 copy of itself, with fp32
+      weight gradients (titanlite.ops.master_linear); MasterAdamW rewrites the copy as it updates.
+    - float8's Float8Linear: its weight is stored in bf16, which torchao casts to float8, and its
+      gradient, which torchao's float8 GEMM gives in bf16, stays bf16; the fp32 master lives in
+      MasterAdamW as 16 low bits (titanlite.optim.master_low_bits), started from the fp32
+      initialisation kept here as `fp32_master`. A master on the bf16 grid instead would ignore
+      updates smaller than half a bf16 step (it cost 0.12-0.15 in validation loss at step 100 of a
+      1.36B run, docs/performance.md). Under zero1 float8's weights stay fp32 (ZeroRedundancyOptimizer
+      takes parameters of one dtype) and torchao casts them from fp32, as with autocast.
     """
+    from titanlite.ops.master_linear import use_bf16_copy
+
+    bf16_float8 = MODES[dp_mode].optimizer != "zero"
     for block in model.layers.values():
         for module in block.modules():
-            if isinstance(module, nn.Linear):  # float8's Float8Linear included
+            if type(module) is nn.Linear:
+                use_bf16_copy(module)
+            elif isinstance(module, nn.Linear) and bf16_float8:  # float8's Float8Linear, the only subclass here
                 w = module.weight
                 w.fp32_master = w.data
                 w.data = w.data.to(torch.bfloat16)
@@ -176,8 +182,8 @@ def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
     if cfg.compile.enable:
         apply_compile(model, cfg)
     materialize(model, dims.device, cfg.training.seed)
-    if cfg.training.bf16_params:
-        apply_bf16_params(model)  # before ddp, whose buckets take the gradients' dtype
+    if bf16_copies(cfg, dims.world_size, dims.device.type):
+        apply_bf16_params(model, dims.mode)  # before ddp, whose buckets take the gradients' dtype
     if dims.world_size > 1 and dims.mode != "none":
         model = DATA_PARALLEL[dims.mode](model, cfg, dims)
     return model

@@ -15,7 +15,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from titanlite.config.manager import ConfigError, hsdp_shape
+from titanlite.config.manager import ConfigError, computes_bf16, hsdp_shape
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -65,8 +65,9 @@ def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = cfg.parallelism
-    bf16 = dims.device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+    # bf16 compute: the policy gathers bf16 copies of the fp32 shards and reduce-scatters the gradients in
+    # fsdp_reduce_dtype (fp32 by default), what training.bf16_params does with copies in the other modes
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if computes_bf16(cfg, dims.device.type) else None,
                               reduce_dtype=getattr(torch, p.fsdp_reduce_dtype))
     # default: blocks free their gathered params after forward (re-gathered in backward); the root
     # keeps them, because backward starts with the output layer right away.
@@ -171,12 +172,13 @@ def grad_sync(model: nn.Module, enabled: bool):
 def fused_clip_supported(optimizer) -> bool:
     """Can the clip scale ride inside the optimizer kernel? Fused torch AdamW over plain tensors (not
     ZeroRedundancyOptimizer, not FSDP's DTensor parameters, not capturable for CUDA graphs), or
-    titanlite's MasterAdamW (training.bf16_params)."""
+    titanlite's MasterAdamW (training.bf16_params), alone or as zero1's per-rank optimizer (the
+    wrapper hands it the scale: titanlite.optim.zero_master_adamw)."""
     from torch.distributed.tensor import DTensor
 
     from titanlite.optim import MasterAdamW
 
-    if type(optimizer) is MasterAdamW:
+    if type(getattr(optimizer, "optim", optimizer)) is MasterAdamW:
         return True
     if type(optimizer) is not torch.optim.AdamW or not optimizer.defaults.get("fused"):
         return False
@@ -198,7 +200,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
     from torch.distributed.tensor import DTensor
 
     if optimizer is not None and fused_clip_supported(optimizer):
-        by_dtype = {}  # bf16 and fp32 under training.bf16_params
+        by_dtype = {}  # bf16 and fp32 with float8 under training.bf16_params
         for p in model.parameters():
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)

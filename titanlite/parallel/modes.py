@@ -32,14 +32,18 @@ class Mode:
     headroom: float = 0.02
     # CUDA graphs need this many eager steps before capture (DDP settles its buckets first).
     min_graph_warmup: int = 0
+    # How a bf16 run with training.bf16_params gets its bf16 matrices: "copies" (fp32 master parameters,
+    # bf16 copies the optimizer rewrites, weight gradients produced, accumulated and reduced in fp32:
+    # titanlite.ops.master_linear) or "fsdp_policy" (FSDP2's mixed-precision policy gathers bf16 copies of
+    # the fp32 shards and reduce-scatters the gradients in parallelism.fsdp_reduce_dtype, fp32 by default).
+    bf16_params: str = "copies"
     # Settings this mode cannot run, each with the reason given to the user.
     refuses: dict[str, str] = field(default_factory=dict)
 
 
 _FSDP_GRAPHS = ("FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
                 "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)")
-_FSDP_BF16 = "{} keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy); use ddp or one GPU"
-_MASTER = "the bf16 moments live in titanlite's MasterAdamW, which steps plain tensors; use ddp or one GPU"
+_MASTER = "the bf16 moments live in titanlite's MasterAdamW, which steps plain tensors, not DTensor shards; use ddp, zero1 or one GPU"
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("none", "one process, no wrapper (what every mode runs with one rank)"),
@@ -48,18 +52,15 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("zero1", "ddp for gradients, AdamW state partitioned over the ranks (ZeroRedundancyOptimizer)",
          optimizer="zero", comm="all_reduce", overlaps_comm=True,
          refuses={"training.cuda_graphs": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping "
-                                          "and has no capturable mode; use ddp (or no cuda_graphs)",
-                  "training.bf16_params": "ZeroRedundancyOptimizer steps a torch optimizer of its own choosing, "
-                                          "not the master-weight AdamW; use ddp or one GPU",
-                  "optimizer.moments_dtype=bfloat16": _MASTER}),
+                                          "and has no capturable mode; use ddp (or no cuda_graphs)"}),
     Mode("fsdp", "FSDP2 fully_shard per block and the root: parameters, gradients and AdamW state sharded",
          shards_params=True, optimizer="sharded", comm="reduce_scatter", overlaps_comm=True, headroom=0.15,
-         refuses={"training.cuda_graphs": _FSDP_GRAPHS, "training.bf16_params": _FSDP_BF16.format("FSDP"),
-                  "optimizer.moments_dtype=bfloat16": _MASTER}),
+         bf16_params="fsdp_policy",
+         refuses={"training.cuda_graphs": _FSDP_GRAPHS, "optimizer.moments_dtype=bfloat16": _MASTER}),
     Mode("hsdp", "FSDP2 over a 2-D mesh: sharded inside a replica group, replicated across groups",
          shards_params=True, optimizer="sharded", comm="reduce_scatter", overlaps_comm=True, headroom=0.15,
+         bf16_params="fsdp_policy",
          refuses={"training.cuda_graphs": "HSDP is FSDP2 underneath: " + _FSDP_GRAPHS,
-                  "training.bf16_params": _FSDP_BF16.format("HSDP"),
                   "optimizer.moments_dtype=bfloat16": _MASTER}),
 )}
 

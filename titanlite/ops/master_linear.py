@@ -1,0 +1,104 @@
+"""Linear layers with fp32 master weights that multiply in bf16 and produce fp32 weight gradients
+(training.bf16_params).
+
+A MasterLinear is an nn.Linear whose `weight` Parameter stays the fp32 master: it is what the
+optimizer steps, DDP all-reduces, the clip measures and checkpoints save (same keys, same dtype as
+an autocast run). The GEMMs read `weight_bf16`, a bf16 copy held as a non-persistent buffer, which
+is exactly the rounding autocast would make of the master each forward. The copy is derived state:
+titanlite.optim.MasterAdamW rewrites it in the pass that updates the master (the Triton kernel
+writes both), and loading weights (load_state_dict) refreshes it.
+
+Per matrix and micro-step, forward and input gradient are bf16 GEMMs as under autocast; the weight
+gradient is one GEMM with an fp32 result (`fp32_mm`), added into the fp32 `.grad` by that same
+GEMM from the second micro-step on. So no bf16 rounding of a weight gradient ever happens, where
+autocast rounds each micro-step's to bf16 before adding it in fp32, and there is no separate add.
+
+How the accumulation stays an ordinary `.grad`: the weight gradient comes from `weight_grad`, an
+opaque custom op that takes the parameter's current `.grad` (if any), accumulates the product into
+it and returns it, setting `.grad` to None; autograd then finds no gradient and keeps the tensor it
+is handed, so its accumulation is a move, and DDP's hooks, the clip and the optimizer see a plain
+fp32 `.grad`. The op is opaque because `.grad` is state outside the graph, which torch.compile must
+neither trace nor reorder. A consequence: `torch.autograd.grad` on these weights while their
+`.grad` is set would return the sum of both (training only calls `backward`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def fp32_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b for bf16 (or fp32) `a`, `b` as fp32, added into `acc` (fp32, returned) when given.
+
+    On CUDA one cuBLAS GEMM with an fp32 output (it accumulates in fp32 in any case; this skips
+    rounding the result to bf16, and with `acc` it adds into it, beta = 1). Elsewhere, where that
+    GEMM does not exist, the operands are widened: products of bf16 numbers are exact in fp32, so
+    the values are those of the GEMM up to the order of summation."""
+    if a.is_cuda and a.dtype != torch.float32:
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    with torch.autocast(a.device.type, enabled=False):
+        a, b = a.float(), b.float()
+        return a @ b if acc is None else acc.addmm_(a, b)
+
+
+@torch.library.custom_op("titanlite::weight_grad", mutates_args=())
+def weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight.grad + grad_out^T x in fp32 (the product alone when weight.grad is None), in the
+    tensor that was weight.grad; weight.grad is left None (see the module docstring)."""
+    acc, weight.grad = weight.grad, None
+    return fp32_mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc)
+
+
+@weight_grad.register_fake
+def _(grad_out, x, weight):
+    return grad_out.new_empty(weight.shape, dtype=torch.float32)
+
+
+class _MasterMatmul(torch.autograd.Function):
+    """x @ weight_bf16^T (x in bf16); its backward gives x a bf16 gradient and the fp32 `master` an
+    fp32 one. The forward is a plain matmul, so selective activation checkpointing sees an mm."""
+
+    @staticmethod
+    def forward(ctx, x, weight_bf16, master):
+        ctx.save_for_backward(x, weight_bf16, master)
+        return x @ weight_bf16.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight_bf16, master = ctx.saved_tensors
+        grad_x = grad_out @ weight_bf16 if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(grad_out, x, master) if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_w
+
+
+class MasterLinear(nn.Linear):
+    """nn.Linear on an fp32 master `weight` whose GEMMs use its bf16 copy `weight_bf16` (made by
+    `use_bf16_copy`, which turns an existing nn.Linear into one)."""
+
+    weight_bf16: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _MasterMatmul.apply(x.to(self.weight_bf16.dtype), self.weight_bf16, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Rewrite the bf16 copy from the master (after the master changed outside the optimizer)."""
+        self.weight_bf16.copy_(self.weight)
+
+
+def _refresh_after_load(module: MasterLinear, incompatible_keys) -> None:
+    module.refresh()
+
+
+def use_bf16_copy(linear: nn.Linear) -> None:
+    """Make `linear` a MasterLinear in place: same module, same fp32 `weight` Parameter (so wrappers,
+    optimizer and state-dict keys are untouched), plus its bf16 copy. The parameter carries the copy
+    as `bf16_copy`, which is how MasterAdamW finds what to rewrite."""
+    linear.__class__ = MasterLinear
+    linear.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16), persistent=False)
+    linear.weight.bf16_copy = linear.weight_bf16
+    linear.register_load_state_dict_post_hook(_refresh_after_load)

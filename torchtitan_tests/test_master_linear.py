@@ -1,0 +1,294 @@
+"""training.bf16_params (the default where a run computes in bf16): the blocks' matrices are fp32
+master parameters that multiply bf16 copies of themselves, with fp32 weight gradients
+(titanlite.ops.master_linear) and MasterAdamW rewriting the copies.
+
+What must hold: each weight gradient is produced and accumulated in fp32 (closer to the exact sum
+than autocast's, far closer than a bf16 accumulation); the run computes what autocast computes
+(step 1 bit for bit); under ddp and zero1 it gives the single process's losses; compile and
+activation checkpointing change nothing; resume is exact and checkpoints load across autocast and
+the default both ways. CPU runs compute in fp32 unless training.mixed_precision_param=bfloat16,
+which these tests set. MasterAdamW itself and the per-mode mapping are in test_bf16_params.py.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from titanlite.config import load_config
+from titanlite.ops.master_linear import MasterLinear, use_bf16_copy
+from titanlite.optim import MasterAdamW
+from titanlite.train import Trainer
+
+from conftest import free_port
+
+BF16 = ["--training.mixed_precision_param", "bfloat16"]  # CPU runs are fp32 by default
+AUTOCAST = BF16 + ["--training.bf16_params=false"]
+STEPS = 8
+
+
+def base_args(folder, local_batch: int, *extra: str) -> list[str]:
+    return ["--training.dataset", "python_stdlib", "--training.steps", str(STEPS), "--training.seq_len", "32",
+            "--training.local_batch_size", str(local_batch), "--optimizer.lr", "3e-3",
+            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--validation.enable=false",
+            "--metrics.progress_bar=false", "--data.num_workers", "0", "--job.dump_folder", str(folder), *extra]
+
+
+def step_losses(trainer) -> list[float]:
+    return [v for e in trainer.run_log.data["training_iterations"] for v in e["step_losses"]]
+
+
+def run_single(folder, local_batch: int, *extra: str) -> tuple[Trainer, list[float]]:
+    t = Trainer(load_config(base_args(folder, local_batch, *extra)))
+    t.train()
+    t.close()
+    return t, step_losses(t)
+
+
+# ------------------------------------------------------------------------------ gradients, one layer
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradient_sums_in_fp32_over_64_micro_steps(compiled):
+    """64 micro-steps into one .grad: within fp32 rounding of the exact sum, added in place (the
+    first micro-step's tensor is kept). Summed in bf16 (what a bf16 parameter's gradient did), and
+    even autocast's way (each product rounded to bf16, then added in fp32), most elements land
+    outside that bound."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    use_bf16_copy(lin)
+    f = torch.compile(lin, fullgraph=True) if compiled else lin
+    xs = [torch.randn(16, 64).bfloat16() for _ in range(64)]
+    gys = [torch.randn(16, 32).bfloat16() for _ in range(64)]
+    first = None
+    for x, gy in zip(xs, gys):  # x needs no gradient: the weight's is still produced
+        f(x).backward(gy)
+        first = first or lin.weight.grad.data_ptr()
+        assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.data_ptr() == first
+    exact = sum(gy.double().t() @ x.double() for x, gy in zip(xs, gys))
+    # each element: 16 products summed per micro-step, then 64 additions, each rounding at most 2^-24
+    # of a partial sum no larger than the sum of the terms' magnitudes
+    bound = (16 + 64) * 2 ** -24 * sum(gy.double().abs().t() @ x.double().abs() for x, gy in zip(xs, gys))
+    assert ((lin.weight.grad.double() - exact).abs() <= bound).all()
+    in_bf16 = torch.zeros(32, 64, dtype=torch.bfloat16)
+    autocast_way = torch.zeros(32, 64)
+    for x, gy in zip(xs, gys):
+        in_bf16 += gy.t() @ x
+        autocast_way += (gy.t() @ x).float()
+    for other in (in_bf16, autocast_way):
+        assert ((other.double() - exact).abs() > bound).float().mean() > 0.5
+
+
+def test_selective_checkpointing_saves_the_bf16_gemm():
+    """selective 'op' AC's policy sees the copy's GEMM as an mm (so it keeps its output), and the
+    recomputed backward gives the same gradients."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from titanlite.parallel.apply import _save_matmuls_policy
+
+    policy, saved = _save_matmuls_policy(), []
+
+    def recording(ctx, op, *args, **kwargs):
+        decision = policy(ctx, op, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            saved.append(op)
+        return decision
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    use_bf16_copy(lin)
+    x = torch.randn(8, 64, requires_grad=True)
+    lin(x).float().square().sum().backward()
+    plain = (lin.weight.grad.clone(), x.grad.clone())
+    lin.weight.grad = x.grad = None
+    out = checkpoint(lin, x, use_reentrant=False,
+                     context_fn=lambda: create_selective_checkpoint_contexts(recording))
+    out.float().square().sum().backward()
+    assert torch.ops.aten.mm.default in saved
+    assert torch.equal(lin.weight.grad, plain[0]) and torch.equal(x.grad, plain[1])
+
+
+# ---------------------------------------------------------------------------------- one process
+def test_default_computes_what_autocast_computes(tmp_path):
+    """The blocks' matrices stay fp32 parameters equal to autocast's (same init), their copies are
+    the bf16 roundings autocast would make, so step 1's loss is bit for bit autocast's; later steps
+    differ by the weight gradients no longer rounded to bf16 and the optimizer's order of arithmetic
+    (accumulation 2 here)."""
+    accum = ["--training.global_batch_size", "8"]
+    t = Trainer(load_config(base_args(tmp_path / "default", 4, *BF16, *accum)))
+    ref = Trainer(load_config(base_args(tmp_path / "autocast", 4, *AUTOCAST, *accum)))
+    assert type(t.optimizer) is MasterAdamW and type(ref.optimizer) is torch.optim.AdamW
+    copies = {n: p for n, p in t.model.named_parameters() if hasattr(p, "bf16_copy")}
+    assert "layers.0.attention.wq.weight" in copies and "layers.3.feed_forward.w2.weight" in copies
+    assert not copies.keys() & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.ffn_norm.weight"}
+    init = dict(ref.model.named_parameters())
+    for n, p in t.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, init[n]), n
+    t.train()
+    ref.train()
+    for n, p in copies.items():
+        assert isinstance(t.model.get_submodule(n.removesuffix(".weight")), MasterLinear)
+        assert torch.equal(p.bf16_copy, p.detach().bfloat16()), n  # rewritten with every update
+    ours, theirs = step_losses(t), step_losses(ref)
+    assert ours[0] == theirs[0] and ours == pytest.approx(theirs, rel=3e-4) and ours != theirs
+    t.close()
+    ref.close()
+
+
+def test_compile_and_selective_checkpointing_change_nothing(tmp_path):
+    """Compiled blocks (fullgraph) under selective 'op' activation checkpointing accumulate the
+    gradients of two micro-batches as the eager blocks do: within bf16 noise (the compiled kernels
+    round differently), where a lost or doubled weight gradient would be off by its whole size."""
+    eager = Trainer(load_config(base_args(tmp_path / "eager", 4, *BF16)))
+    compiled = Trainer(load_config(base_args(tmp_path / "compiled", 4, *BF16, "--compile.enable",
+                                             "--activation_checkpoint.mode", "selective")))
+    assert all(type(b).__name__ == "OptimizedModule" for b in compiled.model.layers.values())
+    batches = [eager.next_batch() for _ in range(2)]
+    for t in (eager, compiled):
+        for inputs, labels in batches:
+            (t.forward_loss(inputs, labels) / 2).backward()
+    grads = dict(eager.model.named_parameters())
+    strip = lambda n: n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    checked = 0
+    for n, p in compiled.model.named_parameters():
+        ref = grads[strip(n)].grad
+        assert p.grad.dtype == torch.float32 and (p.grad - ref).norm() < 1e-2 * ref.norm(), n
+        checked += hasattr(p, "bf16_copy")
+    assert checked == 4 * 7  # every block matrix of the debug model
+    eager.close()
+    compiled.close()
+
+
+# ---------------------------------------------------------------------------- ddp and zero1
+DIST_RUNS = {  # name -> (local batch per rank, extra args); global batch 8 x accumulation 2 everywhere
+    "ddp": (2, BF16 + ["--parallelism.data_parallel", "ddp"]),
+    "zero1": (2, BF16 + ["--parallelism.data_parallel", "zero1"]),
+    "ddp_autocast": (2, AUTOCAST + ["--parallelism.data_parallel", "ddp"]),
+}
+ACCUM = ["--training.global_batch_size", "8"]
+
+
+def first_step_grads(t) -> dict[str, torch.Tensor]:
+    """The gradients of the first optimizer step's micro-batches, reduced as the step reduces them."""
+    from titanlite.parallel import grad_sync
+
+    for micro in range(t.grad_accum):
+        with grad_sync(t.model, micro == t.grad_accum - 1):
+            (t.forward_loss(*t.next_batch()) / t.grad_accum).backward()
+    return {n.removeprefix("module."): p.grad.clone() for n, p in t.model.named_parameters()}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for name, (local, extra) in DIST_RUNS.items():
+        t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra, *ACCUM)))
+        if name == "ddp":  # from a twin run: these micro-batches are then gone from its data stream
+            probe = Trainer(load_config(base_args(os.path.join(out_dir, "probe"), local, *extra, *ACCUM)))
+            grads = first_step_grads(probe)
+            if rank == 0:
+                torch.save(grads, os.path.join(out_dir, "grads.pt"))
+            probe.close()
+        t.train()
+        stale = sum(not torch.equal(p.bf16_copy, p.detach().bfloat16())
+                    for p in t.model.parameters() if hasattr(p, "bf16_copy"))
+        if rank == 0:
+            results[name] = {"losses": step_losses(t), "optimizer": type(t.optimizer).__name__,
+                             "local": type(getattr(t.optimizer, "optim", t.optimizer)).__name__,
+                             "accum": t.grad_accum, "stale": stale}
+        t.close()
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def test_ddp_and_zero1_match_one_process(tmp_path):
+    """2 gloo ranks x local 2 x accumulation 2 against one process with local 4 x accumulation 2.
+    ddp all-reduces fp32 gradients: the first step's gradients are the single process's up to the
+    order of fp32 sums (a bf16 all-reduce would be off by about 1e-3). zero1 updates each parameter
+    on its owner with the same MasterAdamW and refreshes the other ranks' copies: ddp's losses. The
+    losses agree with the single process as closely as autocast's own (bf16 runs drift apart by
+    about 1e-4 in 8 steps at this lr from last-bit differences)."""
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "results.json").read_text())
+    _, single = run_single(tmp_path / "single", 4, *BF16, *ACCUM)
+    reference = Trainer(load_config(base_args(tmp_path / "single_grads", 4, *BF16, *ACCUM)))
+    expected = first_step_grads(reference)
+    reference.close()
+    grads = torch.load(tmp_path / "grads.pt")
+    assert grads.keys() == expected.keys()
+    for n, g in grads.items():
+        assert g.dtype == torch.float32 and (g - expected[n]).norm() <= 1e-5 * expected[n].norm(), n
+    assert (r["ddp"]["optimizer"], r["zero1"]["optimizer"], r["zero1"]["local"]) == (
+        "MasterAdamW", "ZeroMasterAdamW", "MasterAdamW")
+    for name in DIST_RUNS:
+        assert r[name]["accum"] == 2 and r[name]["losses"][0] == single[0], name
+        assert r[name]["losses"] == pytest.approx(single, rel=3e-4), name
+    assert r["ddp"]["stale"] == r["zero1"]["stale"] == 0  # every rank's copies follow the masters
+    assert r["zero1"]["losses"] == pytest.approx(r["ddp"]["losses"], rel=1e-6)
+
+
+# -------------------------------------------------------------------------------- checkpoints
+def _ckpt_args(folder, *extra: str) -> list[str]:
+    return ["--training.dataset", "synthetic", "--training.steps", "6", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
+            "--metrics.log_freq", "1", "--validation.enable=false", "--metrics.progress_bar=false",
+            "--data.num_workers", "0", "--job.dump_folder", str(folder), "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", *extra]
+
+
+def _losses(trainer) -> dict[int, float]:
+    out = {}
+    for e in trainer.run_log.data["training_iterations"]:
+        for i, v in enumerate(e["step_losses"]):
+            out[e["iter"] - len(e["step_losses"]) + 1 + i] = v
+    return out
+
+
+def _train(folder, *extra: str) -> Trainer:
+    t = Trainer(load_config(_ckpt_args(folder, *extra)))
+    t.train()
+    t.close()
+    return t
+
+
+def test_default_resumes_exactly(tmp_path):
+    """The fp32 masters and moments are the saved state; the bf16 copies are rebuilt from the
+    loaded masters, so resuming from step 4 repeats steps 5 and 6 bit for bit."""
+    whole = _losses(_train(tmp_path, *BF16))
+    t = _train(tmp_path, *BF16, "--checkpoint.load_step", "4")
+    assert _losses(t) == {5: whole[5], 6: whole[6]}
+    params = [p for p in t.model.parameters() if hasattr(p, "bf16_copy")]
+    assert params and all(torch.equal(p.bf16_copy, p.detach().bfloat16()) for p in params)
+
+
+@pytest.mark.parametrize("saved, loaded", [(AUTOCAST, BF16), (BF16, AUTOCAST)], ids=["autocast->default",
+                                                                                   "default->autocast"])
+def test_checkpoints_load_across_autocast_and_the_default(tmp_path, saved, loaded):
+    """The same keys and dtypes either way (fp32 weights; step and moments per parameter): a run
+    resumed in the other setting starts from the saved masters (the copies follow them) and goes on
+    as the saving setting would, up to the small difference between the two."""
+    whole = _losses(_train(tmp_path, *saved))
+    probe = Trainer(load_config(_ckpt_args(tmp_path, *loaded, "--checkpoint.load_step", "4")))
+    reference = Trainer(load_config(_ckpt_args(tmp_path, *saved, "--checkpoint.load_step", "4")))
+    assert probe.state.step == 4 and type(probe.optimizer) is not type(reference.optimizer)
+    for p, q in zip(probe.model.parameters(), reference.model.parameters()):
+        assert torch.equal(p, q)
+        if hasattr(p, "bf16_copy"):
+            assert torch.equal(p.bf16_copy, p.detach().bfloat16())
+    mine, theirs = probe.optimizer.state_dict()["state"], reference.optimizer.state_dict()["state"]
+    for i, st in theirs.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(mine[i][k], st[k]), (i, k)
+        assert float(mine[i]["step"]) == float(st["step"]) == 4
+    reference.close()
+    probe.train()
+    probe.close()
+    resumed = _losses(probe)
+    assert sorted(resumed) == [5, 6] and [resumed[5], resumed[6]] == pytest.approx([whole[5], whole[6]], rel=1e-3)
