@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+import torch.utils._python_dispatch
 
 from titanlite.config import load_config
 from titanlite.ops.master_linear import MasterLinear, use_bf16_copy
@@ -49,31 +50,49 @@ def run_single(folder, local_batch: int, *extra: str) -> tuple[Trainer, list[flo
     return t, step_losses(t)
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run inside the context (autograd's own accumulation into .grad included)."""
+
+    def __enter__(self):
+        self.seen = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func)
+        return func(*args, **(kwargs or {}))
+
+
 # ------------------------------------------------------------------------------ gradients, one layer
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gradient_sums_in_fp32_over_64_micro_steps(compiled):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_gradient_sums_in_fp32_over_64_micro_steps(compiled, device):
     """64 micro-steps into one .grad: within fp32 rounding of the exact sum, added in place (the
-    first micro-step's tensor is kept). Summed in bf16 (what a bf16 parameter's gradient did), and
-    even autocast's way (each product rounded to bf16, then added in fp32), most elements land
-    outside that bound."""
+    first micro-step's tensor is kept; on CUDA the GEMM adds into it). Summed in bf16 (what a bf16
+    parameter's gradient did), and even autocast's way (each product rounded to bf16, then added in
+    fp32), most elements land outside that bound."""
     torch.manual_seed(0)
-    lin = nn.Linear(64, 32, bias=False)
+    lin = nn.Linear(64, 32, bias=False, device=device)
     use_bf16_copy(lin)
     f = torch.compile(lin, fullgraph=True) if compiled else lin
-    xs = [torch.randn(16, 64).bfloat16() for _ in range(64)]
-    gys = [torch.randn(16, 32).bfloat16() for _ in range(64)]
+    xs = [torch.randn(16, 64, device=device).bfloat16() for _ in range(64)]
+    gys = [torch.randn(16, 32, device=device).bfloat16() for _ in range(64)]
     first = None
     for x, gy in zip(xs, gys):  # x needs no gradient: the weight's is still produced
-        f(x).backward(gy)
+        with OpRecorder() as ops:
+            f(x).backward(gy)
         first = first or lin.weight.grad.data_ptr()
         assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.data_ptr() == first
+        assert torch.ops.aten.add_.Tensor not in ops.seen  # no separate add: the GEMM accumulates
     exact = sum(gy.double().t() @ x.double() for x, gy in zip(xs, gys))
     # each element: 16 products summed per micro-step, then 64 additions, each rounding at most 2^-24
     # of a partial sum no larger than the sum of the terms' magnitudes
     bound = (16 + 64) * 2 ** -24 * sum(gy.double().abs().t() @ x.double().abs() for x, gy in zip(xs, gys))
     assert ((lin.weight.grad.double() - exact).abs() <= bound).all()
-    in_bf16 = torch.zeros(32, 64, dtype=torch.bfloat16)
-    autocast_way = torch.zeros(32, 64)
+    in_bf16 = torch.zeros(32, 64, dtype=torch.bfloat16, device=device)
+    autocast_way = torch.zeros(32, 64, device=device)
     for x, gy in zip(xs, gys):
         in_bf16 += gy.t() @ x
         autocast_way += (gy.t() @ x).float()
@@ -234,6 +253,21 @@ def test_ddp_and_zero1_match_one_process(tmp_path):
     assert r["zero1"]["losses"] == pytest.approx(r["ddp"]["losses"], rel=1e-6)
 
 
+@GPU
+def test_cuda_compiled_and_captured_steps(tmp_path):
+    """On CUDA: compiled blocks, the fp32-output GEMMs and the update kernel writing the copies,
+    captured as a CUDA graph after 2 eager steps and replayed, train as the eager uncompiled steps
+    do (within bf16 noise), with accumulation 2."""
+    gpu = ["--training.seq_len", "128", "--training.global_batch_size", "8"]
+    _, eager = run_single(tmp_path / "eager", 4, *gpu)
+    t, replayed = run_single(tmp_path / "graphs", 4, *gpu, "--compile.enable", "--training.cuda_graphs",
+                             "--training.cuda_graphs_warmup", "2")
+    assert t.cuda_graph is not None and not t.cuda_graph.failed and type(t.optimizer) is MasterAdamW
+    params = [p for p in t.model.parameters() if hasattr(p, "bf16_copy")]
+    assert params and all(torch.equal(p.bf16_copy, p.detach().bfloat16()) for p in params)
+    assert replayed == pytest.approx(eager, rel=2e-3)
+
+
 # -------------------------------------------------------------------------------- checkpoints
 def _ckpt_args(folder, *extra: str) -> list[str]:
     return ["--training.dataset", "synthetic", "--training.steps", "6", "--training.seq_len", "32",
@@ -292,3 +326,28 @@ def test_checkpoints_load_across_autocast_and_the_default(tmp_path, saved, loade
     probe.close()
     resumed = _losses(probe)
     assert sorted(resumed) == [5, 6] and [resumed[5], resumed[6]] == pytest.approx([whole[5], whole[6]], rel=1e-3)
+
+
+def test_hf_export_and_initial_load_carry_the_masters(tmp_path):
+    """Hugging Face export writes the fp32 masters (the copies are no state), and loading that folder
+    with checkpoint.initial_load_path gives a run whose masters are the exported weights and whose
+    copies are their rounding."""
+    from safetensors.torch import load_file
+
+    from titanlite.checkpoint.export import export
+
+    t = _train(tmp_path / "run", *BF16, "--training.steps", "2")
+    folder = export(str(tmp_path / "run" / "checkpoint"), str(tmp_path / "hf"))
+    exported = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        exported.update(load_file(f))
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    wq = t.model.layers["0"].attention.wq.weight
+    assert any(torch.equal(v, wq.detach()) for v in exported.values())  # the master, not its rounding
+    loaded = Trainer(load_config(base_args(tmp_path / "loaded", 2, *BF16, "--checkpoint.initial_load_path",
+                                           str(folder))))
+    for p, q in zip(loaded.model.parameters(), t.model.parameters()):
+        assert torch.equal(p, q)
+        if hasattr(p, "bf16_copy"):
+            assert torch.equal(p.bf16_copy, q.detach().bfloat16())
+    loaded.close()
