@@ -5,9 +5,10 @@ Every benchmark script starts its runs here, so that each run
 - is a process group of its own with a timeout: a hang or a crash becomes a table row with the line
   that says why, and a timed-out run leaves no worker behind on the GPUs;
 - gets BENCH_ENV: NVLink multicast off in NCCL, PyTorch and NVSHMEM (the lent multi-GPU machines
-  need it: a program that uses multicast there can take the shared host's GPUs out of service) and
-  run_train.sh's allocator default, each only where the environment does not set it already. The
-  product (run_train.sh, titanlite.train) sets none of the multicast variables;
+  need it: a program that uses multicast there can take the shared host's GPUs out of service),
+  run_train.sh's allocator default and flash-attn 4's kernel cache on disk, each only where the
+  environment does not set it already. The product (run_train.sh, titanlite.train) sets none of the
+  multicast variables;
 - keeps its whole output in WORK/<name>.log and its run folder in WORK/<name>/. Scripts write only
   a table and a JSON of results to --out ($OUT on the GPU machine, which returns at most 8 files).
 
@@ -39,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.gettempdir()) / "titanlite_bench"  # run folders and whole outputs; not returned
 
 BENCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-             "PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1"}
+             "PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1",
+             # flash-attn 4 compiles its kernels at first use: keep them on disk for the next run's process
+             "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
 
 # torchtitan's shapes: LLaMA 1.36B, local batch 4, seq 2048, warm-up 10; synthetic tokens, so no
 # tokenizer or data preparation enters the timing.
@@ -111,7 +114,7 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
 
 def _kill_group(p: subprocess.Popen) -> None:
     """End a timed-out run: its process group, then whatever of its descendants is left (torchrun
-    starts each worker in a session of its own, so the group alone would leave them on the GPUs)."""
+    starts each worker in a new process group (setsid), so ours alone would leave them on the GPUs)."""
     pids = _descendants(p.pid)
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
         try:

@@ -183,11 +183,13 @@ def plot(curves: dict[str, dict[int, float]], path: Path, epoch: dict[str, int],
         ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
         mov = [sum(ys[max(0, i - smooth + 1):i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(ys))]
         ax.plot(xs, mov, color=color, linewidth=2, label=f"{name} (mean of {smooth} steps)")
-    for name, step in epoch.items():
+    last = max((max(c) for c in curves.values() if c), default=0)
+    for step in sorted({s for s in epoch.values() if s < last}):
         ax.axvline(step, color="gray", linestyle=":", linewidth=1)
+        ax.annotate("text repeats", (step, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="gray")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_yscale("log")
     ax.set_title(f"LLaMA 1.36B on c4_test, batch {BATCH} x {SEQ}: titanlite and torchtitan 0.2.2")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -203,7 +205,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (the same TOML's)")
     ap.add_argument("--extra", default="", help="titanlite options added to its run, e.g. --extra=\"--training.bf16_params\"")
     ap.add_argument("--skip-peer", action="store_true", help="titanlite only (torchtitan's curve is absent)")
-    ap.add_argument("--timeout", type=int, default=480, help="seconds per training run")
+    ap.add_argument("--timeout", type=int, default=280, help="seconds per training run (both fit one 10-minute call)")
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/loss_parity"))
     a = ap.parse_args(argv)
     if a.steps <= LAST:
