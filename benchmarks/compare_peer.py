@@ -158,15 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(a.out)
     rows = []
+    steps = ["--training.steps", str(a.steps)]  # torchtitan runs as many steps as titanlite
     for n in a.world_sizes:
         peers: dict[str, dict[str, launch.Result]] = {}  # mode -> version -> result
         for mode in (["fsdp"] if n == 1 else a.peer_modes.split(",")):
             for v in a.versions:
-                r = launch.peer(v, n, PEER_MODES[mode](n), timeout=a.timeout + 180)
+                r = launch.peer(v, n, PEER_MODES[mode](n) + steps, timeout=a.timeout + 180)
                 peers.setdefault(mode, {})[v] = r
                 rows.append((f"torchtitan {v}" + (f" {mode}" if n > 1 else ""), r, {}))
         if a.peer_float8:
-            r = launch.peer("0.2.2", n, PEER_FLOAT8, timeout=a.timeout + 180)
+            r = launch.peer("0.2.2", n, PEER_FLOAT8 + steps, timeout=a.timeout + 180)
             rows.append(("torchtitan 0.2.2 float8", r, {}))
         for name, args in a.rows:
             r = launch.titanlite(re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}_{n}gpu"), args, n, a.steps, 5, a.timeout)

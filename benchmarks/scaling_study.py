@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         if n in (1, sizes[-1]):
             for mode in (["fsdp"] if n == 1 else ["fsdp", "ddp"]):
                 for v in versions:
-                    r = launch.peer(v, n, compare_peer.PEER_MODES[mode](n), timeout=a.timeout + 180)
+                    r = launch.peer(v, n, compare_peer.PEER_MODES[mode](n) + ["--training.steps", str(a.steps)],
+                                    timeout=a.timeout + 180)
                     peers.setdefault(mode, {})[v] = r
                     rows.append((f"torchtitan {v} {mode}", r, {}))
         configs = {"compile": compare_peer.SUITES["single"]["compile"]} if n == 1 else compare_peer.SUITES["scaling"]

@@ -232,24 +232,27 @@ def test_fa4_ops_forward_and_backward_match_manual_with_native_gqa(monkeypatch, 
 
 
 def test_fa4_compiles_fullgraph_as_one_op_each_way(monkeypatch):
-    """torch.compile(fullgraph=True) traces the block through the ops' fake kernels (no graph break)
-    and gives eager's values; the forward op is the one selective activation checkpointing saves."""
+    """torch.compile(fullgraph=True) traces the block through the ops' fake kernels, forward and
+    backward (aot_eager: AOTAutograd's fake-tensor trace, then eager kernels), and gives eager's
+    values; the forward op in the graph is the one selective activation checkpointing saves."""
     fake_fa4_module(monkeypatch)
     attn = A.build_attention("flash_attn_4")
+    fn = lambda q, k, v: attn(q, k, v) * 2
     q, k, v = qkv(hkv=2)
     seen = []
 
-    def backend(gm, example_inputs):
+    def record(gm, example_inputs):
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: attn(q, k, v) * 2, fullgraph=True, backend=backend)
-    ref, ref_grads = fwd_bwd(lambda q, k, v: attn(q, k, v) * 2, q, k, v)
-    out, grads = fwd_bwd(compiled, q, k, v)
+    ref, ref_grads = fwd_bwd(fn, q, k, v)
+    out, grads = fwd_bwd(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=record)(q, k, v)
     assert "titanlite.flash_attn_4_forward.default" in seen
     assert isinstance(torch.ops.titanlite.flash_attn_4_forward.default, torch._ops.OpOverload)
 
