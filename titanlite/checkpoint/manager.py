@@ -371,11 +371,14 @@ class Checkpointer:
         saved, now = marker.get("model"), self.info.get("model")
         if not saved or not now:
             return
-        keys = sorted(k for k in {**saved.get("args", {}), **now.get("args", {})}
-                      if saved.get("args", {}).get(k) != now.get("args", {}).get(k))
-        if keys or (saved.get("name"), saved.get("flavor")) != (now.get("name"), now.get("flavor")):
-            raise ConfigError(f"checkpoint {folder} holds model {_describe(saved, keys)}, this run builds "
-                              f"{_describe(now, keys)}: run the checkpoint's model, or use another "
+        names = [(m.get("name"), m.get("flavor")) for m in (saved, now)]
+        args = [m.get("args", {}) for m in (saved, now)]
+        # Another model or flavor is named by that alone; the same one with other arguments (a
+        # vocab_size override, say) by the first few that differ.
+        keys = [] if names[0] != names[1] else sorted(k for k in {**args[0], **args[1]} if args[0].get(k) != args[1].get(k))
+        if names[0] != names[1] or keys:
+            raise ConfigError(f"checkpoint {folder} holds model {_describe(saved, keys[:4])}, this run builds "
+                              f"{_describe(now, keys[:4])}: run the checkpoint's model, or use another "
                               f"checkpoint.folder or job.dump_folder")
 
     def _verify(self, folder: Path, marker: dict) -> str | None:
