@@ -204,6 +204,10 @@ def test_rollback_then_crash_then_plain_resume_continues_the_new_line(base, tmp_
     assert len(aside) == 1 and (aside[0] / "step-6" / "complete.json").exists()
     assert complete_steps(root) == [5, 4]
     old_marker = (aside[0] / "step-6" / "complete.json").read_text()
+    # Asking for the abandoned step says where it is.
+    with pytest.raises(ConfigError, match=rf"complete: \[4, 5\]\); {aside[0] / 'step-6'} was set aside by an "
+                                          rf"earlier resume from an earlier step: move it back to {root} to resume it"):
+        Trainer(load_config(args(folder, "--checkpoint.load_step", "6")))
 
     t = train(folder)  # the plain command
     assert t.start_step == 5

@@ -33,16 +33,17 @@ def abandon_after(root: Path, step: int) -> str | None:
     tmp = root / (JOURNAL + ".tmp")
     tmp.write_text(json.dumps({"head": step, "into": into}))
     os.replace(tmp, root / JOURNAL)
-    return finish_interrupted(root)
+    return finish_interrupted(root, f"resuming from step-{step}")
 
 
-def finish_interrupted(root: Path) -> str | None:
-    """Carry out the journaled move, if there is one (all of it, or what a killed run left)."""
+def finish_interrupted(root: Path, why: str = "") -> str | None:
+    """Carry out the journaled move, if there is one (all of it, or what a killed run left); the
+    log line begins with `why` (by default: a rollback a killed run left half done)."""
     try:
         journal = json.loads((root / JOURNAL).read_text())
     except (OSError, ValueError):
         return None
-    head, into = int(journal["head"]), root / journal["into"]
+    head, into = int(journal["head"]), root / Path(journal["into"]).name  # never outside root
     into.mkdir(exist_ok=True)
     moved = sorted(s for s, p in step_dirs(root).items() if s > head and read_marker(p) is not None)
     for s in moved:
@@ -50,8 +51,8 @@ def finish_interrupted(root: Path) -> str | None:
     already = sorted(s for s in step_dirs(into) if s not in moved)
     (root / JOURNAL).unlink()
     steps = ", ".join(f"step-{s}" for s in sorted(moved + already))
-    return (f"resuming from step-{head}: the later checkpoints {steps} are moved to {into} (kept; they are no "
-            f"longer resumed or deleted by retention)")
+    return (f"{why or f'finishing the interrupted rollback to step-{head}'}: the later checkpoints {steps} are "
+            f"moved to {into} (kept; they are no longer resumed or deleted by retention)")
 
 
 def abandoned_steps(root: Path) -> dict[int, Path]:

@@ -303,7 +303,7 @@ class Checkpointer:
             try:
                 line = fn(*args)
             except OSError as e:
-                raise ConfigError(f"cannot rearrange {self.root}: {e.strerror}: {e.filename}") from None
+                raise ConfigError(f"cannot move checkpoints aside under {self.root}: {e.strerror}: {e.filename}") from None
             if line:
                 logger.info(line)
         self._barrier()
