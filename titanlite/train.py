@@ -28,15 +28,16 @@ from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch,
 from titanlite.config.manager import autocasts
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
+from titanlite.hardware import peak_tflops
 from titanlite.metrics.breakdown import gather_breakdown, rank_breakdown
 from titanlite.metrics.console import Console
 from titanlite.metrics.nvml import GpuMonitor
-from titanlite.metrics.peaks import peak_tflops
 from titanlite.metrics.profiler import StepProfiler
 from titanlite.metrics.run_log import RunLog
 from titanlite.metrics.tensorboard import TensorBoard
 from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
+from titanlite.models.args import FLOPS_CONVENTION, mfu_pct
 from titanlite.ops.attention import resolve_backend
 from titanlite.ops.loss import cross_entropy
 from titanlite.optim import build_lr_scheduler, build_optimizer
@@ -188,7 +189,7 @@ class Trainer:
             "model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "params": self.n_params,
                       "params_without_input_embedding": self.model_args.num_params(exclude_embedding=True),
                       "flops_per_token": self.flops_per_token,
-                      "flops_convention": "6*(N - input embedding) + 12*L*H*Q*T"},
+                      "flops_convention": FLOPS_CONVENTION},
             "data": self.data.description,
         }
 
@@ -376,7 +377,7 @@ class Trainer:
             "tokens_per_sec": tps,
             "tokens_per_sec_per_gpu": tps / self.dims.world_size,
             "tflops": tflops,
-            "mfu": 100 * tflops / (self.dims.world_size * self.peak) if self.peak else None,
+            "mfu": mfu_pct(tps, self.flops_per_token, self.dims.world_size, self.peak),
             "tokens_seen": st.tokens_seen,
         }
         entry.update(memory_stats(self.device))

@@ -127,6 +127,7 @@ class FlashAttn3(FlashAttn):
 
 
 BACKENDS = {b.name: b for b in (FlashAttn3, FlashAttn, SDPAcuDNN, SDPAFlash, SDPAEfficient, SDPAAny, Manual)}
+CHOICES = ["auto", *BACKENDS]  # what model.attention_backend accepts
 
 # What `auto` tries, fastest first (cuDNN SDPA measured 323 vs flash SDPA 206 TFLOP/s fwd+bwd on H100
 # at the 1.36B shapes), and where an unavailable explicit request falls back to.

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from titanlite.parallel.data_parallel import clip_grad_norm, grad_sync
+from titanlite.parallel.modes import MODES
 
 logger = logging.getLogger("titanlite")
-
-DDP_MIN_WARMUP = 11  # DDP settles its buckets during the first eager iterations (torch's CUDA-graph notes)
 
 
 class CudaGraphStep:
@@ -38,7 +37,7 @@ class CudaGraphStep:
                  warmup: int, dp_mode: str):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.grad_accum, self.max_norm, self.device = grad_accum, max_norm, device
-        self.warmup = max(warmup, DDP_MIN_WARMUP) if dp_mode == "ddp" else warmup
+        self.warmup = max(warmup, MODES[dp_mode].min_graph_warmup)  # DDP settles its buckets first
         self.graph = None
         self.failed = False
         self.static_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
