@@ -396,3 +396,34 @@ def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(base, tmp_path,
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_state_encoding_round_trips_exactly(tmp_path):
+    """What titanlite's per-rank objects hold comes back equal and of the same types: tuples (the RNG
+    states), dicts with non-string keys, numpy arrays, tensors of any dtype, NaN, big ints, nested None."""
+    import math
+    import random
+
+    import numpy as np
+
+    from titanlite.checkpoint.state_file import EncodedState, read_state
+
+    random.seed(3)
+    state = {"python": random.getstate(), "numpy": np.random.RandomState(5).get_state(),
+             "torch": torch.get_rng_state(), "bf16": torch.randn(3, 2).bfloat16(), "ids": {0: "a", (1, 2): None},
+             "loader": {"_snapshot": {"worker_0": {"k": 2**63 + 5, "x": [0.1, float("nan"), -0.0]}}},
+             "__tuple__": "a key that looks like a tag"}
+    EncodedState(0, state).write(tmp_path, {})
+    back = read_state(tmp_path, 0)
+    assert back["python"] == state["python"] and isinstance(back["python"][1], tuple)
+    random.setstate(back["python"])  # accepted as is
+    assert back["numpy"][0] == "MT19937" and np.array_equal(back["numpy"][1], state["numpy"][1])
+    assert back["numpy"][1].dtype == state["numpy"][1].dtype and back["numpy"][2:] == state["numpy"][2:]
+    assert torch.equal(back["torch"], state["torch"]) and back["bf16"].dtype == torch.bfloat16
+    assert torch.equal(back["bf16"], state["bf16"])
+    assert back["ids"] == {0: "a", (1, 2): None}
+    x = back["loader"]["_snapshot"]["worker_0"]["x"]
+    assert back["loader"]["_snapshot"]["worker_0"]["k"] == 2**63 + 5 and x[0] == 0.1 and math.isnan(x[1])
+    assert math.copysign(1, x[2]) == -1 and back["__tuple__"] == state["__tuple__"]
+    with pytest.raises(TypeError, match="a object cannot be stored"):
+        EncodedState(0, {"x": object()})
