@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from titanlite.checkpoint import Checkpointer, Preemption, checkpoint_root
+from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli
 from titanlite.config.manager import autocasts
 from titanlite.data import build_data
@@ -137,7 +137,8 @@ class Trainer:
             per_rank={"dataloader": self.train_iter},
             info={"model": {"name": cfg.model.name, "flavor": cfg.model.flavor, "max_seq_len": cfg.training.seq_len,
                             "args": dataclasses.asdict(self.model_args)},
-                  "tokenizer": str(getattr(self.data, "tokenizer_path", "") or "")})
+                  "tokenizer": str(getattr(self.data, "tokenizer_path", "") or "")},
+            global_batch=self.global_batch)
         self.checkpointer.load()
         self.start_step = self.state.step  # where this process began (0, or the resumed step)
         self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
@@ -296,6 +297,10 @@ def main(argv: list[str]) -> None:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         failure = SystemExit(3)
+    except CheckpointSaveError as e:  # one line, from rank 0 (every rank sees the same failure)
+        if trainer.dims.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        failure = SystemExit(1)
     except BaseException as e:
         failure = e
         if not isinstance(e, (ConfigError, SystemExit)):
