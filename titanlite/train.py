@@ -125,7 +125,7 @@ class Trainer:
         # initialises the full weights identically on every rank, then wraps for data parallelism.
         with torch.device("meta"):
             model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len,
-                                cfg.training.loss_chunk_tokens)
+                                cfg.training.loss_chunk_tokens, cfg.model.init)
         self.model = model = parallelize(model, cfg, self.dims)
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
