@@ -16,8 +16,8 @@ within the tolerance of it. The score of a log is the share of agreeing figures 
 logger line derives from the same number count as one piece of evidence, not three. A reading is
 physically impossible when the per-GPU FLOP/s it implies exceed the GPU's dense bf16 peak (from
 titanlite.hardware), and suspect below `suspect_share` of it. The chosen reading is the possible one
-with the highest total score, then the fewest misreports; a reading of equal standing that gives
-other figures makes the answer ambiguous, and the report says so.
+with the highest total score, then the fewest misreports; a reading of equal score needing at most
+one misreport more that gives other figures makes the answer ambiguous, and the report says so.
 
 Step time is the measurement the reconstruction trusts: it is a clock, and no misreport above
 touches it. A log without one is read through its logged rate instead, with lower confidence.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from titanlite.hardware import lookup
 from titanlite.metrics.run_log import LoggedRun, steady
 from titanlite.models import MODEL_REGISTRY, get_model_args
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import FLOPS_CONVENTION, ModelArgs
 
 # misreport key -> (what it means, what to fix in the logger)
 MISREPORTS = {
@@ -72,11 +72,21 @@ class Conventions:
     mfu: str = "right"                   # | "per_gpu_over_all" | "total_over_one"
     peak: int = 1                        # its peak over the dense bf16 peak: 1, 2 (sparse or fp8), 4 (fp8 sparse)
     flops: str = "without_embedding"     # | "with_embedding"
+    accumulation: str = "per_gpu"        # | "split": the trainer divides the printed accumulation by the world size
 
-    def misreports(self) -> list[str]:
-        out = [RATE_MISREPORT.get(self.rate), MFU_MISREPORT.get(self.mfu), PEAK_MISREPORT.get(self.peak),
-               "flops_with_embedding" if self.flops == "with_embedding" else None]
+    def misreports(self, world: int = 2) -> list[str]:
+        """What these conventions get wrong; those about GPU counts only where there are several."""
+        multi = world > 1
+        out = [RATE_MISREPORT.get(self.rate) if multi else None, MFU_MISREPORT.get(self.mfu) if multi else None,
+               PEAK_MISREPORT.get(self.peak), "flops_with_embedding" if self.flops == "with_embedding" else None,
+               "accumulation_split" if self.accumulation == "split" and multi else None]
         return [m for m in out if m]
+
+    def micro_steps(self, accum: int, world: int) -> int | None:
+        """The micro-steps per GPU per step these conventions say a printed accumulation means."""
+        if self.accumulation == "per_gpu":
+            return accum
+        return accum // world if accum % world == 0 else None
 
     def rate_factor(self, world: int) -> float:
         """Logged rate over what the format says it is."""
@@ -131,9 +141,9 @@ class Item:
 @dataclass
 class Evaluation:
     conventions: Conventions
+    world: int
     micro_steps: int
-    printed_accum: int
-    split: bool                          # micro_steps is the printed accumulation over the world size
+    expected: int | None                 # what the conventions make of the printed accumulation
     per_gpu: float                       # corrected tokens/s per GPU
     items: list[Item]
     score: float
@@ -141,12 +151,12 @@ class Evaluation:
     plausibility: str                    # possible | suspect | impossible | unchecked
 
     @property
-    def accumulation(self) -> str:
-        return "as_printed" if self.micro_steps == self.printed_accum else "split" if self.split else "differs"
+    def differs(self) -> bool:
+        """The run did not run what its printed accumulation means under the conventions."""
+        return self.micro_steps != self.expected
 
     def misreports(self) -> list[str]:
-        extra = {"as_printed": [], "split": ["accumulation_split"], "differs": ["accumulation_differs"]}
-        return sorted(self.conventions.misreports() + extra[self.accumulation])
+        return sorted(self.conventions.misreports(self.world) + (["accumulation_differs"] if self.differs else []))
 
     @property
     def possible(self) -> bool:
@@ -215,11 +225,12 @@ def _median(values) -> float | None:
 
 
 def model_args(log: LoggedRun) -> ModelArgs | None:
-    """The model from its registry name, else the one registry model whose parameter count the log
-    prints (the earlier trainer prints only N)."""
+    """The model from its registry name (with the run's vocabulary), else the one registry model whose
+    parameter count the log prints (the earlier trainer prints only N)."""
     name, flavor = log.model.get("name"), log.model.get("flavor")
     if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
-        return get_model_args(name, flavor)
+        vocab = log.config.get("model.vocab_size")
+        return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
     n = log.model.get("params")
     if isinstance(n, (int, float)) and n > 0:
         hits = [a for spec in MODEL_REGISTRY.values() for a in spec.flavors.values()
@@ -230,11 +241,8 @@ def model_args(log: LoggedRun) -> ModelArgs | None:
 
 
 def flops_variants(log: LoggedRun, seq_len: int) -> tuple[dict[str, float], str]:
-    m = log.model
-    if all(isinstance(m.get(k), (int, float)) for k in ("flops_per_token", "params", "params_without_input_embedding")):
-        f = float(m["flops_per_token"])
-        return {"without_embedding": f, "with_embedding": f + 6 * (m["params"] - m["params_without_input_embedding"])}, \
-            "the run log's model"
+    """FLOPs per token of the log's model without and with the input embedding, from the model
+    itself (not from the figure the logger printed, which is one of the facts in question)."""
     args = model_args(log)
     if args is None:
         return {}, "as logged (model not known: pass --model)"
@@ -242,7 +250,7 @@ def flops_variants(log: LoggedRun, seq_len: int) -> tuple[dict[str, float], str]
     out = {"without_embedding": f}
     if args.num_params() != args.num_params(exclude_embedding=True):
         out["with_embedding"] = f + 6 * (args.num_params() - args.num_params(exclude_embedding=True))
-    return out, f"{log.model.get('name') or 'model'} with {args.num_params():,} parameters"
+    return out, f"{args.num_params():,}-parameter model, {FLOPS_CONVENTION}"
 
 
 def gather(log: LoggedRun, label: str, scope: str) -> Facts:
@@ -297,9 +305,9 @@ def evaluate(f: Facts, c: Conventions, k: int, tol: float, suspect_share: float)
         ok = logged == predicted if exact else abs(logged - predicted) <= tol * abs(predicted)
         items.append(Item(source, name, logged, predicted, ok))
 
+    expected = f.accum if f.accum_given else c.micro_steps(f.accum, W)
     if not f.accum_given:
-        split = W > 1 and f.accum % W == 0 and f.accum // W == k
-        add("settings", "accumulation", f.accum, f.accum if split else k, exact=True)
+        add("settings", "accumulation", f.accum, f.accum if k == expected else k, exact=True)
     add("settings", "effective batch", f.printed.get("global_batch_size"), f.local_batch * k * W)
     add("settings", "tokens per step", f.printed.get("tokens_per_iteration"), tokens_gpu_step * W)
     add("tokens seen", "tokens seen per step", f.printed.get("tokens_seen_per_step"), tokens_gpu_step * W)
@@ -327,16 +335,15 @@ def evaluate(f: Facts, c: Conventions, k: int, tol: float, suspect_share: float)
         plaus = "impossible" if share > 1.0 else "suspect" if share < suspect_share else "possible"
         if plaus == "suspect":
             score -= 0.5
-    split = W > 1 and f.accum % W == 0 and f.accum // W == k and k != f.accum
-    return Evaluation(c, k, f.accum, split, r, items, score, share, plaus)
+    return Evaluation(c, W, k, expected, r, items, score, share, plaus)
 
 
 def proposals(f: Facts, c: Conventions, tol: float) -> list[int]:
-    """Micro-steps per step worth trying: the printed accumulation, it divided by the world size, and
-    whatever each figure that is proportional to the work implies under `c`."""
+    """Micro-steps per step worth trying: what the printed accumulation means under `c`, and whatever
+    each figure that is proportional to the work implies under `c`."""
     if f.accum_given:
         return [f.accum]
-    ks = [f.accum] + ([f.accum // f.world] if f.world > 1 and f.accum % f.world == 0 else [])
+    ks = [k for k in (c.micro_steps(f.accum, f.world),) if k]
     base = evaluate(f, c, 1, tol, 0.0)
     if base is not None:
         for item in base.items:
@@ -352,7 +359,7 @@ def proposals(f: Facts, c: Conventions, tol: float) -> list[int]:
 
 def best(f: Facts, c: Conventions, tol: float, suspect_share: float) -> Evaluation | None:
     evs = [e for k in proposals(f, c, tol) if (e := evaluate(f, c, k, tol, suspect_share))]
-    return max(evs, key=lambda e: (e.possible, round(e.score, 9), -len(e.misreports()), -abs(e.micro_steps - f.accum)),
+    return max(evs, key=lambda e: (e.possible, round(e.score, 9), -e.differs, -abs(e.micro_steps - f.accum)),
                default=None)
 
 
@@ -367,7 +374,9 @@ def options(facts: list[Facts]) -> list[Conventions]:
     peaks = [1] + ([2, 4] if any(f.peak_dense for f in facts) and (has("mfu") or any(f.peak_logged for f in facts))
                    else [])
     flops = ["without_embedding"] + (["with_embedding"] if any("with_embedding" in f.flops for f in facts) else [])
-    return [Conventions(*x) for x in itertools.product(rates, mfus, peaks, flops)]
+    accums = ["per_gpu"] + (["split"] if any(f.world > 1 and f.accum % f.world == 0 and not f.accum_given
+                                             for f in facts) else [])
+    return [Conventions(*x) for x in itertools.product(rates, mfus, peaks, flops, accums)]
 
 
 def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[Evaluation], list[list[Evaluation]]]:
@@ -378,7 +387,7 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
         evs = [best(f, conv, tol, suspect_share) for f in facts]
         if any(e is None for e in evs):
             continue
-        misreports = len(conv.misreports()) + sum(e.accumulation != "as_printed" for e in evs)
+        misreports = len(conv.misreports(max(f.world for f in facts))) + sum(e.differs for e in evs)
         key = (-sum(not e.possible for e in evs), round(sum(e.score for e in evs), 9), -misreports)
         ranked.append((key, -i, evs))
     if not ranked:
@@ -386,7 +395,9 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
     ranked.sort(key=lambda x: (x[0], x[1]), reverse=True)
     top_key, _, chosen = ranked[0]
     differs = lambda a, b: a.micro_steps != b.micro_steps or abs(a.per_gpu - b.per_gpu) > tol * abs(b.per_gpu)
-    same = [evs for key, _, evs in ranked[1:] if key == top_key and any(map(differs, evs, chosen))]
+    # as well supported, needing at most one misreport more, yet saying the runs did something else
+    same = [evs for key, _, evs in ranked[1:] if key[:2] == top_key[:2] and key[2] >= top_key[2] - 1
+            and any(map(differs, evs, chosen))]
     return chosen, same
 
 
@@ -397,9 +408,9 @@ def describe(m: list[str]) -> str:
 def why(f: Facts, e: Evaluation, printed: Evaluation | None) -> str:
     agree = [i.name for i in e.items if i.agrees]
     reject = [f"{i.name} ({i.logged:,.4g} logged, {i.predicted:,.4g} expected)" for i in e.items if not i.agrees]
+    conv = e.conventions.misreports(f.world)
     parts = [f"{e.micro_steps} micro-step{'s' if e.micro_steps > 1 else ''} per GPU per step"
-             + (f" (printed {f.accum})" if e.micro_steps != f.accum else "")
-             + (f"; {describe(e.conventions.misreports())}" if e.conventions.misreports() else "")]
+             + (f" (printed {f.accum})" if e.micro_steps != f.accum else "") + (f"; {describe(conv)}" if conv else "")]
     if agree:
         parts.append("agrees: " + ", ".join(dict.fromkeys(agree)))
     if reject:
@@ -427,16 +438,19 @@ def reconstruct(logs: list[LoggedRun], labels: list[str], scopes: list[str], tol
         evs, same = choose([facts[i] for i in idx], tol, suspect_share)
         for j, i in enumerate(idx):
             chosen[i] = evs[j]
-            others[i] = [alt[j] for alt in same if alt[j].micro_steps != evs[j].micro_steps
-                         or abs(alt[j].per_gpu - evs[j].per_gpu) > tol * evs[j].per_gpu]
+            alts: dict[tuple, Evaluation] = {}  # one per different answer, the fewest misreports first
+            for alt in sorted((a[j] for a in same), key=lambda a: len(a.misreports())):
+                if alt.micro_steps != evs[j].micro_steps or abs(alt.per_gpu - evs[j].per_gpu) > tol * evs[j].per_gpu:
+                    alts.setdefault((alt.micro_steps, round(alt.per_gpu, -1)), alt)
+            others[i] = list(alts.values())[:3]
     runs = []
     for i, f in enumerate(facts):
         e = chosen[i]
         printed = evaluate(f, Conventions(), f.accum, tol, suspect_share)
         mfu = 100 * e.per_gpu * f.flops_dense / (f.peak_dense * 1e12) if f.peak_dense and f.flops_dense else None
         step_ms = 1000 * (f.step_s or f.local_batch * e.micro_steps * f.seq_len / e.per_gpu)
-        amb = [f"{describe(a.misreports())}: {a.micro_steps} micro-steps, {a.per_gpu:,.0f} tokens/s per GPU"
-               for a in others[i]]
+        amb = [f"{', '.join(a.misreports()) or 'as logged'}: {a.micro_steps} micro-steps per GPU, "
+               f"{a.per_gpu:,.0f} tokens/s per GPU" for a in others[i]]
         runs.append(RunReading(
             f.label, str(f.log.path), f.log.source, f.world, e.misreports(), e.micro_steps, f.accum, e.per_gpu, mfu,
             step_ms, "logged" if f.step_s else "derived from the logged rate", e.plausibility, e.dense_share,
