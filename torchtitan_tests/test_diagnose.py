@@ -72,7 +72,7 @@ def kinds(rep):
 
 @pytest.mark.parametrize("with_breakdown", [False, True])
 def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
-    """The issue's report: same per-GPU work at 2 and 8 B200s, the same logged aggregate tokens/s (MFU
+    """The users' 2 -> 8 GPU report: same per-GPU work at 2 and 8 B200s, the same logged aggregate tokens/s (MFU
     falls 4x), the step grows far more than 4x tokens explain, identical memory, and the logged
     tokens/s disagrees with tokens per step / step time."""
     two = 2 * 8 * 4 * 2048 / 1.0  # tokens/s at 2 GPUs with a 1.0 s step

@@ -127,7 +127,8 @@ def rel_err(logged: float, expected: float) -> float:
 def cfg_value(run: Run, key: str):
     c = run.config
     if key == "model":
-        return f"{c.get('model.name', run.model.get('name'))}/{c.get('model.flavor', run.model.get('flavor'))}"
+        name, flavor = c.get("model.name", run.model.get("name")), c.get("model.flavor", run.model.get("flavor"))
+        return f"{name}/{flavor}" if name else None
     if key == "hardware":
         return run.hardware.get("name")
     if key == "data_parallel":  # one rank runs the single-device path whatever the mode is
@@ -529,6 +530,9 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds) -> t
     for rr in rec.runs if rec else []:
         if rr.plausibility == "impossible":
             lower(2, f"{rr.label}: no reading of its log is physically possible ({rr.why})")
+        elif rr.plausibility == "suspect":
+            lower(1, f"{rr.label}: its figures imply only {100 * rr.dense_peak_share:.1f}% of the dense bf16 peak, "
+                     "too little for a GPU that is not starved: a figure may be wrong in a way no reading covers")
         elif rr.plausibility == "unchecked" and rr.gpu != "cpu" and len(runs) and any(
                 x.label == rr.label and x.hardware.get("device", "cuda") == "cuda" for x in runs):
             missing = "the GPU" if not rr.peak_tflops_dense else "the model"

@@ -226,17 +226,20 @@ def _median(values) -> float | None:
 
 def model_args(log: LoggedRun) -> ModelArgs | None:
     """The model from its registry name (with the run's vocabulary), else the one registry model whose
-    parameter count the log prints (the earlier trainer prints only N)."""
+    parameter count the log prints (the earlier trainer prints only N), which the log is then named as."""
     name, flavor = log.model.get("name"), log.model.get("flavor")
     if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
         vocab = log.config.get("model.vocab_size")
         return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
     n = log.model.get("params")
     if isinstance(n, (int, float)) and n > 0:
-        hits = [a for spec in MODEL_REGISTRY.values() for a in spec.flavors.values()
+        hits = [(m, f, a) for m, spec in MODEL_REGISTRY.items() for f, a in spec.flavors.items()
                 if abs(a.num_params() / n - 1) < 0.005]
         if len(hits) == 1:
-            return hits[0]
+            (m, f, a), = hits
+            log.model.update(name=m, flavor=f)
+            log.notes.append(f"model taken to be {m}/{f} ({a.num_params():,} parameters) from the printed N")
+            return a
     return None
 
 
@@ -401,13 +404,17 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
     return chosen, same
 
 
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
 def describe(m: list[str]) -> str:
     return "; ".join(MISREPORTS[k][0] for k in m) if m else "the log means what it says"
 
 
 def why(f: Facts, e: Evaluation, printed: Evaluation | None) -> str:
     agree = [i.name for i in e.items if i.agrees]
-    reject = [f"{i.name} ({i.logged:,.4g} logged, {i.predicted:,.4g} expected)" for i in e.items if not i.agrees]
+    reject = [f"{i.name} ({_fmt(i.logged)} logged, {_fmt(i.predicted)} expected)" for i in e.items if not i.agrees]
     conv = e.conventions.misreports(f.world)
     parts = [f"{e.micro_steps} micro-step{'s' if e.micro_steps > 1 else ''} per GPU per step"
              + (f" (printed {f.accum})" if e.micro_steps != f.accum else "") + (f"; {describe(conv)}" if conv else "")]

@@ -67,9 +67,12 @@ def reconstruction_md(a: Analysis) -> list[str]:
                + ", ".join(f"{row['run']} {row['efficiency']:.1%}" for row in eff["runs"]) + ".", ""]
     elif eff["mode"] == "single_run":
         md += ["One log: a single-run report, no scaling claim.", ""]
-    notes = [f"{rr.label}: {n}" for rr in rec.runs for n in rr.notes]
+    notes: dict[str, list[str]] = {}
+    for rr in rec.runs:
+        for n in rr.notes:
+            notes.setdefault(n, []).append(rr.label)
     if notes:
-        md += ["Read with assumptions: " + "; ".join(notes) + ".", ""]
+        md += ["Read with assumptions: " + "; ".join(f"{', '.join(who)}: {n}" for n, who in notes.items()) + ".", ""]
     return md
 
 

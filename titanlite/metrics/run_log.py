@@ -2,7 +2,8 @@
 
 `<dump_folder>/run_<timestamp>.json`, valid JSON at every moment: each update rewrites a temporary
 file and renames it over the log (atomic on POSIX), so a run killed at any point leaves the last
-complete version. The layout is what the seed guides' analysis snippets read:
+complete version. The layout is what the analysis snippets of the seed guides (the guides written
+for the nanoGPT-style trainer titanlite replaces) read:
 {"startup_info": {"config": {...}, ...}, "training_iterations": [{...}, ...]}. It is written on
 one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"` (their
 live-MFU monitor) parses it.
@@ -156,7 +157,8 @@ class LoggedRun:
 
     @property
     def label(self) -> str:
-        """job.description if set, else the seeds' naming: compile / DL / CG options joined, or 'baseline'."""
+        """job.description if set, else the seed guides' naming (the earlier trainer's analysis snippets):
+        compile / DL / CG options joined, or 'baseline'."""
         cfg = self.config
         if cfg.get("job.description"):
             return cfg["job.description"]
