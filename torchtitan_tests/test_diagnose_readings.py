@@ -188,11 +188,10 @@ AMBIGUOUS = {
 }
 
 
-@pytest.mark.parametrize("fmt", list(WRITERS))
-@pytest.mark.parametrize("misreports", CASES, ids=lambda m: "+".join(sorted(m)) or "none")
+@pytest.mark.parametrize("fmt,misreports", [
+    pytest.param(fmt, m, id=f"{fmt}-{'+'.join(sorted(m)) or 'none'}") for fmt in WRITERS for m in CASES
+    if not (fmt == "torchtitan" and m & ACCUMULATION)])  # torchtitan prints no accumulation, no step time
 def test_reading_and_corrected_figures(tmp_path, fmt, misreports):
-    if fmt == "torchtitan" and misreports & ACCUMULATION:
-        pytest.skip("torchtitan logs print no accumulation and no step time")
     if fmt == "torchtitan" and "tokens_per_sec_is_one_gpu" in misreports:
         misreports = misreports - {"tokens_per_sec_is_one_gpu"} | {"tokens_per_sec_is_all_gpus"}
     runs = pair(tmp_path, fmt, misreports)

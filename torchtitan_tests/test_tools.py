@@ -10,7 +10,7 @@ import torch
 
 from titanlite.config import load_config
 from titanlite.metrics.run_log import steady, summarize
-from titanlite.tools import compare, plot
+from titanlite.tools import compare
 from titanlite.train import Trainer
 
 from conftest import ROOT

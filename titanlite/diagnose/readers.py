@@ -24,6 +24,8 @@ supply what a log lacks and replace what it says; each replacement is recorded i
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -68,6 +70,7 @@ GPU_NAME_KEYS = ("name", "device_name", "gpu_name", "gpu")
 PEAK_KEYS = ("peak_tflops_per_gpu", "peak_tflops", "hardware_peak_tflops")
 
 
+@functools.lru_cache(maxsize=2)  # the detectors and the parser look at the same text
 def _json(text: str):
     try:
         return json.loads(text)
@@ -83,7 +86,7 @@ def _is_run_log(text: str) -> bool:
 def _is_titanlite(text: str) -> bool:
     if not _is_run_log(text):
         return False
-    s = json.loads(text)["startup_info"]
+    s = _json(text)["startup_info"]
     return "titanlite" in (s.get("software") or {}) or "flops_convention" in (s.get("model") or {})
 
 
@@ -92,14 +95,15 @@ def _first(d: dict, keys) -> object:
 
 
 def parse_json(path: Path, text: str, source: str = "titanlite") -> LoggedRun:
-    data = _json(text)
+    data = copy.deepcopy(_json(text))  # the cached parse stays as read
     if data is None:
         raise RunLogError(f"{path}: not valid JSON")
     run = from_dict(path, data, source)
     cfg, hw, model = run.config, run.hardware, run.model
     if cfg.get("seq_len") is None and (seq := _first(cfg, SEQ_KEYS)) is not None:
         cfg["seq_len"] = seq
-    if hw.get("name") is None and isinstance(name := _first(hw, GPU_NAME_KEYS[1:]) or _first(cfg, ("device_name", "gpu_name")), str):
+    name = _first(hw, GPU_NAME_KEYS) or _first(cfg, GPU_NAME_KEYS[1:])
+    if isinstance(name, str):
         hw["name"] = name
     if hw.get("peak_tflops_per_gpu") is None and (peak := _first({**cfg, **hw}, PEAK_KEYS)) is not None:
         hw["peak_tflops_per_gpu"] = peak

@@ -8,9 +8,10 @@ for the nanoGPT-style trainer titanlite replaces) read:
 one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"` (their
 live-MFU monitor) parses it.
 
-Readers: `load` / `load_all` give `LoggedRun`s (the tools, the Trainer's own summary and diagnose
-all go through them), `steady` splits a run's entries into warm-up and steady state, and
-`summarize` gives the end-of-run figures over the steady entries.
+Readers: `load` / `load_all` give `LoggedRun`s (the tools load through them; diagnose's readers of
+other formats fill the same type), `steady` splits a run's entries into warm-up and steady state
+(every reader of a log, the Trainer's summary included, uses it), and `summarize` gives the
+end-of-run figures over the steady entries.
 """
 
 from __future__ import annotations
