@@ -74,7 +74,7 @@ class Conventions:
     flops: str = "without_embedding"     # | "with_embedding"
     accumulation: str = "per_gpu"        # | "split": the trainer divides the printed accumulation by the world size
 
-    def misreports(self, world: int = 2) -> list[str]:
+    def misreports(self, world: int) -> list[str]:
         """What these conventions get wrong; those about GPU counts only where there are several."""
         multi = world > 1
         out = [RATE_MISREPORT.get(self.rate) if multi else None, MFU_MISREPORT.get(self.mfu) if multi else None,

@@ -63,7 +63,7 @@ def reconstruction_md(a: Analysis) -> list[str]:
                  "MFU, dense peak (%)", "physically", "why"], rows)
     eff = a.scaling
     if eff["mode"] not in ("single_run", "not_comparable"):
-        md += [f"Scaling efficiency under this reading ({eff['mode']}): "
+        md += [f"Scaling efficiency under this reading ({eff['mode'].replace('_', ' ')}): "
                + ", ".join(f"{row['run']} {row['efficiency']:.1%}" for row in eff["runs"]) + ".", ""]
     elif eff["mode"] == "single_run":
         md += ["One log: a single-run report, no scaling claim.", ""]
@@ -82,8 +82,7 @@ def markdown(a: Analysis) -> str:
     md = ["# Scaling diagnosis", "",
           f"**Verdict: `{top.kind}`** ({top.severity}). {top.title}", "",
           f"**Next check:** {top.next_check}", "",
-          f"**Confidence: {a.confidence}**" + (". " + " ".join(r[0].upper() + r[1:] + "." for r in
-                                                               a.confidence_reasons) if a.confidence_reasons else "."),
+          f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
           ""]
     if len(a.findings) > 1:
         md += ["Also found: " + "; ".join(f"`{f.kind}` ({f.severity}{', ' + f.run if f.run else ''})"
