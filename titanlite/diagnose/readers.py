@@ -209,7 +209,7 @@ def parse_console(path: Path, text: str) -> LoggedRun:
 
 # ------------------------------------------------------------------------------ torchtitan's console
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-TT_STEP = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*([-+\d.eE]+|nan|inf)")
+TT_STEP = re.compile(r"(?<!validate )\bstep:\s*(\d+)\s+loss:\s*([-+\d.eE]+|nan|inf)")  # not its validation lines
 TT_FIGURES = [("memory_reserved_gb", re.compile(r"\bmemory:\s*([\d.]+)\s*GiB"), 1.0),
               ("tokens_per_sec_per_gpu", re.compile(r"\btps:\s*([\d,.]+)"), 1.0),
               ("tflops_per_gpu", re.compile(r"\btflops:\s*([\d,.]+)"), 1.0),
