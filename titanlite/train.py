@@ -118,7 +118,8 @@ class Trainer:
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         if self.model_args.vocab_size < self.data.vocab_size:
             raise ConfigError(f"model.vocab_size ({self.model_args.vocab_size}) is smaller than the dataset's "
-                              f"vocabulary ({self.data.vocab_size})")
+                              f"vocabulary ({self.data.vocab_size}); set model.vocab_size to {self.data.vocab_size} "
+                              f"or more")
         self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
 
         # Build on meta (no memory); parallelize applies float8 -> AC -> compile, materialises and
