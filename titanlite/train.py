@@ -42,6 +42,7 @@ from titanlite.ops.loss import cross_entropy
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import clip_grad_norm, float8_post_step, grad_sync, init_distributed, parallelize
 from titanlite.parallel.data_parallel import fused_clip_supported
+from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.parallel.cuda_graphs import CudaGraphStep
 
 logger = logging.getLogger("titanlite")
@@ -393,8 +394,11 @@ class Trainer:
     def summary(self, val_loss) -> dict:
         it = self.run_log.data["training_iterations"] if self.run_log else []
         steady = it[1:] or it  # the first entry holds start-up and compilation
-        out = {"steps": self.state.step, "final_loss": round(it[-1]["loss"], 4) if it else None,
-               "val_loss": round(val_loss, 4) if val_loss is not None else None}
+        out = {"steps": self.state.step}  # only figures the run produced: no "val_loss None" without validation
+        if it:
+            out["final_loss"] = round(it[-1]["loss"], 4)
+        if val_loss is not None:
+            out["val_loss"] = round(val_loss, 4)
         if steady:
             out["tokens_per_sec"] = round(sum(e["tokens_per_sec"] for e in steady) / len(steady))
             if steady[-1]["mfu"] is not None:
@@ -435,6 +439,7 @@ def _version() -> str:
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    watch_launcher()  # under torchrun: stop when the launcher dies
     cfg = load_config(argv)
     trainer = Trainer(cfg)
     failure = None  # raised once the Trainer is gone
