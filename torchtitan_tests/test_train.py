@@ -266,3 +266,28 @@ def test_launcher_watch_only_under_torchrun(monkeypatch):
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert watch_launcher() is None
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's reproducibility mode (x86 builds of torch)")
+def test_cpu_runs_do_not_depend_on_the_thread_count(tmp_cache):
+    """Same seed on 1 and 2 intra-op threads: the same weights after every step, bit for bit. Without
+    MKL's strict reproducibility mode the weight gradients (a GEMM over 1,024 tokens) round differently
+    from step 1 on, and the loss leaves the other run's trajectory a few steps later."""
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"  # set by `import titanlite`, before MKL's first call
+    before, weights = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            t = Trainer(load_config(["--training.dataset", "synthetic", "--training.steps", "3", "--training.seq_len",
+                                     "128", "--training.local_batch_size", "8", "--validation.enable=false",
+                                     "--data.num_workers", "0", "--job.dump_folder", str(tmp_cache / str(threads))]))
+            steps = []
+            for _ in range(3):
+                t.train_step()
+                steps.append([p.detach().clone() for p in t.model.parameters()])
+            weights.append(steps)
+            t.close()
+    finally:
+        torch.set_num_threads(before)
+    for step, (one, two) in enumerate(zip(*weights), start=1):
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"step {step}"
