@@ -9,6 +9,7 @@
 #                 TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500"
 #   PYTHON        the interpreter (default python3). What it lacks of pyproject.toml's dependencies is
 #                 installed first (pip install -e this repository), torch before the rest:
+#   TITANLITE_INSTALL=0  use the interpreter as it is: no check, no pip (an offline machine set up by hand)
 #   TORCH_SPEC    pip arguments that install torch when it is missing, e.g.
 #                 TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128".
 #                 Default: PyPI's torch on a machine with an NVIDIA GPU; otherwise a CPU build (one your pip
@@ -36,7 +37,7 @@ install_torch() {
     if [ -n "$cpu" ]; then spec=("torch==$cpu"); else spec=(torch --index-url https://download.pytorch.org/whl/cpu); fi
   fi
   echo "run_train.sh: installing torch: pip install ${spec[*]}" >&2
-  "$PY" -m pip install "${spec[@]}" || fail "pip install ${spec[*]} failed (see above); set TORCH_SPEC to the pip arguments that install torch here"
+  "$PY" -m pip install "${spec[@]}" || fail "pip install ${spec[*]} failed (see above); TORCH_SPEC sets the pip arguments that install torch here"
 }
 
 install_missing() {
@@ -47,11 +48,11 @@ install_missing() {
   "$PY" -m pip --version >/dev/null 2>&1 || fail "$PY has no pip to install them with ($PY -m ensurepip adds it)"
   if [[ " $lacking " == *" torch"[\ \>=]* ]]; then install_torch; fi
   echo "run_train.sh: installing titanlite and its dependencies: pip install -e $REPO" >&2
-  "$PY" -m pip install -e "$REPO" || fail "pip install -e $REPO failed (see above)"
+  "$PY" -m pip install -e "$REPO" || fail "pip install -e $REPO failed (see above); TITANLITE_INSTALL=0 runs $PY as it is"
   lacking=$("$PY" -m titanlite.tools.missing_deps "$REPO/pyproject.toml") || fail "$PY still lacks $lacking after pip's install"
 }
 
-install_missing
+[ "${TITANLITE_INSTALL:-1}" = 0 ] || install_missing
 
 ARGS=("$@")
 case " $* " in

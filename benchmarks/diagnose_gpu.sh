@@ -7,7 +7,8 @@
 # DDP (not FSDP) so the exposed gradient communication is measured on its own.
 set -eu
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # no pip install needed (the GPU machine has no network)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TITANLITE_INSTALL=0  # the GPU machine has no network: no pip
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the lent machines have no NVLink multicast
 OUT=${OUT:-outputs/diagnose_gpu}
 STEPS=${STEPS:-30}
 mkdir -p "$OUT/runs"

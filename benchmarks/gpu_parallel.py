@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The lent GPU machines offer no NVLink multicast (NVLS): NCCL, torch's symmetric memory and NVSHMEM
+# are told not to try it. A setting of these machines, so it lives here, not in run_train.sh.
+LENT_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 MODEL = ["--model.name", "llama", "--model.flavor", "1.36B", "--training.dataset", "synthetic",
          "--training.local_batch_size", "4", "--training.seq_len", "2048", "--validation.enable=false",
@@ -55,7 +58,7 @@ def launch(name: str, ngpus: int, extra: list[str], steps: int, log_freq: int, t
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpus}",
                "-m", "titanlite.train", *args]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {**os.environ, **LENT_MACHINE_ENV}
     t0 = time.time()
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -208,7 +208,16 @@ def test_run_train_sh_installs_what_is_missing(tmp_path, empty_venv, gpus, versi
     assert installs == [expected, f"install -e {ROOT}"], r.stderr
     lacking = next(line for line in r.stderr.splitlines() if " lacks: " in line)
     assert {"torch", "numpy", "tokenizers"} <= set(lacking.split(" lacks: ")[1].split())
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: pip install -e {ROOT} failed (see above)"
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: pip install -e {ROOT} failed (see above); TITANLITE_INSTALL=0 runs {tmp_path / 'python'} as it is")
+
+
+def test_run_train_sh_install_off(tmp_path, empty_venv):
+    """TITANLITE_INSTALL=0: no check and no pip, whatever the interpreter lacks (a machine set up by hand)."""
+    env = {**os.environ, **stub_python(tmp_path, empty_venv), "TITANLITE_INSTALL": "0"}
+    r = subprocess.run(["./run_train.sh"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode != 0 and "No module named" in r.stderr  # the run itself meets what is missing
+    assert not (tmp_path / "pip.log").exists()
 
 
 def test_run_train_sh_installs_nothing_present_and_sets_no_nccl_variable(tmp_path):

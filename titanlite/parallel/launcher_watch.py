@@ -1,6 +1,6 @@
 """Ranks stop when their launcher dies.
 
-torchrun starts every rank in a session of its own, so a launcher killed outright (kill -9, the
+torchrun starts every rank detached from it (setsid), so a launcher killed outright (kill -9, the
 kernel's OOM killer) takes no rank with it: the ranks would train on unsupervised, keep writing
 checkpoints, and race a restarted job over the same folder.
 
