@@ -44,12 +44,12 @@ CASES = {  # name -> (ranks, overrides)
 def hardware_name() -> str:
     import torch
 
-    name = torch.cuda.get_device_name(0)
-    for marker, key in (("B200", "b200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100"),
-                        ("A100-SXM4-40GB", "a100-40gb"), ("A100", "a100"), ("L40S", "l40s"), ("A6000", "a6000")):
-        if marker in name:
-            return key
-    raise SystemExit(f"no estimation hardware entry for '{name}'")
+    from titanlite.hardware import lookup
+
+    hw = lookup(torch.cuda.get_device_name(0))
+    if hw is None:
+        raise SystemExit(f"no row in titanlite/hardware.py for '{torch.cuda.get_device_name(0)}'")
+    return hw.key
 
 
 def measure(ranks: int, overrides: list[str], timeout: int = 240) -> dict | None:

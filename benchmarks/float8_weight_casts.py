@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.models import MODEL_REGISTRY, build_model, get_model_args
-from titanlite.parallel.parallelize import _float8_eligible
+from titanlite.parallel.apply import _float8_eligible
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 

@@ -10,6 +10,8 @@ import time
 from titanlite.config import ConfigError, resolve_batch, to_dict
 from titanlite.config.manager import data_parallel_mode
 from titanlite.models import get_model_args
+from titanlite.parallel.modes import MODES
+from titanlite.models.args import FLOPS_CONVENTION
 
 from estimation.fake_run import FakeRun, StepResult
 from estimation.hardware import auto_attention, get_hardware
@@ -59,15 +61,9 @@ def _aim(probes: dict[int, int], lo: int, budget: float) -> int:
     return b0 + int((budget - p0) // slope) if slope > 0 else 2 * max(lo, 1)
 
 
-# reserved / max allocated measured on H100/H200 with expandable segments (LLaMA 1.36B, docs/performance.md):
-# 1 GPU 28.9 / 28.8, ddp 34.7 / 34.3, zero1 27.4 / 27.1 GiB; fsdp 21.9 / 19.0 (2 GPUs) and 17.0 / 15.4 (4):
-# FSDP2's all-gather and reduce-scatter buffers live on their own streams, whose blocks are not shared
-HEADROOM = {"none": 0.02, "ddp": 0.02, "zero1": 0.02, "fsdp": 0.15, "hsdp": 0.15}
-
-
 def headroom(configured: float, mode: str) -> float:
     """estimate.fragmentation, or (-1) the measured headroom of this data-parallel mode."""
-    return HEADROOM.get(mode, 0.15) if configured < 0 else configured
+    return MODES[mode].headroom if configured < 0 else configured
 
 
 class _Fits:
@@ -208,7 +204,7 @@ def format_report(r: dict) -> str:
     a = t["assumptions"]
     lines += [
         "",
-        f"throughput: {t['flops_per_token'] / 1e9:.2f} GFLOP/token (6*(N - input embedding) + 12*L*H*Q*T)",
+        f"throughput: {t['flops_per_token'] / 1e9:.2f} GFLOP/token ({FLOPS_CONVENTION})",
         f"  {'':<12} {'step ms':>9} {'tokens/s':>11} {'tok/s/GPU':>10} {'MFU %':>6}",
     ]
     for k in ("overlap", "no_overlap"):

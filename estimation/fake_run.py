@@ -26,7 +26,7 @@ from titanlite.models import build_model, get_model_args
 from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
 from titanlite.config.manager import autocasts, data_parallel_mode, hsdp_shape
 from titanlite.parallel.data_parallel import apply_ddp
-from titanlite.parallel.parallelize import apply_ac, apply_bf16_params, apply_float8
+from titanlite.parallel.apply import apply_ac, apply_bf16_params, apply_float8
 
 from estimation.tracker import StepTracker, nbytes
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from titanlite.models.args import mfu_pct
+
 from estimation.hardware import ATTENTION_EFFICIENCY, GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
 
 
@@ -92,7 +94,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     def rate(step_s):
         tps = tokens_per_step / step_s
         return {"step_ms": 1000 * step_s, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": tps / world,
-                "mfu_pct": 100 * tps * flops_per_token / (world * a.peak_tflops * 1e12)}
+                "mfu_pct": mfu_pct(tps, flops_per_token, world, a.peak_tflops)}
 
     dominant = max(("matmul", "attention", "memory_bound", "launch", "comm_exposed"), key=lambda k: terms[k])
     return {"overlap": rate(overlap), "no_overlap": rate(no_overlap),

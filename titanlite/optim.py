@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from titanlite.parallel.modes import MODES
+
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none") -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
@@ -31,7 +33,7 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
         kw.update(capturable=True)
-    if dp_mode == "zero1":
+    if MODES[dp_mode].optimizer == "zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)

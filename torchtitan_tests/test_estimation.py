@@ -179,9 +179,10 @@ def test_cannot_fit_is_a_config_error():
 def test_allocator_headroom_by_mode():
     """-1 (the default) takes the reserved/allocated headroom measured for the data-parallel mode;
     any other value is used as given."""
-    from estimation.estimate import HEADROOM, headroom
+    from estimation.estimate import headroom
+    from titanlite.parallel.modes import MODES
 
-    assert headroom(-1, "none") == headroom(-1, "ddp") == 0.02 and headroom(-1, "fsdp") == HEADROOM["hsdp"] == 0.15
+    assert headroom(-1, "none") == headroom(-1, "ddp") == 0.02 and headroom(-1, "fsdp") == MODES["hsdp"].headroom == 0.15
     assert headroom(0.07, "fsdp") == 0.07 and headroom(0.0, "ddp") == 0.0
 
 
@@ -195,8 +196,8 @@ def test_cli_unknown_hardware(tmp_path):
     p = _cli("--estimate.hardware", "h1000", tmp=tmp_path)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
-        "error: estimate.hardware 'h1000' is unknown; choose from a100, a100-40gb, a100-80gb, a6000, b200, h100, "
-        "h100-pcie, h200, l40s"]
+        "error: estimate.hardware 'h1000' is unknown; choose from a100, a100-40gb, a100-80gb, a6000, a800, b200, "
+        "gb200, h100, h100-nvl, h100-pcie, h200, h800, l4, l40s"]
 
 
 def test_cli_table_and_json(tmp_path):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titanlite.config import ConfigError, load_config
+from titanlite.step import make_forward_loss
 from titanlite.train import Trainer
 
 from conftest import ROOT, free_port
@@ -131,7 +132,7 @@ def test_bf16_params_compute_what_autocast_computes(tmp_path):
     assert not low & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.ffn_norm.weight"}
     assert type(t.optimizer).__name__ == "MasterAdamW"
     ref = Trainer(load_config(base_args(tmp_path / "autocast", 8)))
-    ref.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # what the GPU's default runs (CPU's is fp32)
+    ref.step.forward_loss = make_forward_loss(ref.model, "chunked", "cpu")  # the GPU's default runs autocast
     # the masters start from the fp32 initialisation, not from its bf16 rounding (which trained worse)
     init = dict(ref.model.named_parameters())
     for n, p in t.model.named_parameters():
@@ -201,7 +202,7 @@ def test_selective_op_policy_saves_matmuls_and_attention():
     """selective 'op' keeps bf16 and float8 matmul outputs and attention, recomputes the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from titanlite.parallel.parallelize import _save_matmuls_policy
+    from titanlite.parallel.apply import _save_matmuls_policy
 
     aten, policy = torch.ops.aten, _save_matmuls_policy()
     for op in (aten.mm.default, aten._scaled_mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
@@ -215,7 +216,7 @@ def test_selective_op_policy_saves_flash_attention_custom_ops():
     afterwards keeps their outputs (stand-ins registered under the packages' op names here)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from titanlite.parallel.parallelize import _save_matmuls_policy
+    from titanlite.parallel.apply import _save_matmuls_policy
 
     for ns in ("flash_attn", "flash_attn_3"):
         if not hasattr(getattr(torch.ops, ns), "_flash_attn_forward"):
@@ -256,7 +257,7 @@ def test_float8_on_cpu_is_a_config_error(tmp_path):
 def test_float8_filter_skips_output_and_odd_shapes():
     import torch.nn as nn
 
-    from titanlite.parallel.parallelize import _float8_eligible
+    from titanlite.parallel.apply import _float8_eligible
 
     assert _float8_eligible(nn.Linear(128, 384), "layers.0.feed_forward.w1")
     assert not _float8_eligible(nn.Linear(128, 2048), "output")
@@ -341,7 +342,8 @@ def test_forced_capture_failure_falls_back_cleanly(reference, tmp_path, caplog, 
 
 
 def test_cuda_graphs_refuse_fsdp_naming_why():
-    from titanlite.config.manager import CUDA_GRAPHS_UNSUPPORTED, check_cuda_graphs
+    from titanlite.config.manager import check_cuda_graphs
+    from titanlite.parallel.modes import MODES
 
     graphs = lambda *extra: load_config(["--training.cuda_graphs", *extra])
     with pytest.raises(ConfigError, match="data_parallel=fsdp: FSDP2 allocates and frees"):
@@ -358,7 +360,7 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
                         "--parallelism.data_parallel", "fsdp"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + CUDA_GRAPHS_UNSUPPORTED["fsdp"]]
+        "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + MODES["fsdp"].refuses["training.cuda_graphs"]]
 
 
 def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():

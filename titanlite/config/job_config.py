@@ -2,7 +2,8 @@
 
 Every field carries its own documentation in `metadata["help"]`; `python -m titanlite.train --help`
 prints them all. Ranges live in `metadata["min"]` / `metadata["max"]`; closed sets of choices are
-`Literal[...]` types. Validation against these happens in `titanlite.config.manager`, so a field
+`Literal[...]` types, and choices that a registry of the library owns name it in `metadata["registry"]`
+("module:attribute"), so a new entry there is a new valid value here. Validation against these happens in `titanlite.config.manager`, so a field
 added here is parsed, checked and documented with no further code.
 """
 
@@ -13,7 +14,8 @@ from typing import Literal
 
 
 def doc(default, help: str, **bounds):
-    """A dataclass field with its help text and optional numeric bounds (min/max, inclusive)."""
+    """A dataclass field with its help text and optional numeric bounds (min/max, inclusive) or the
+    registry its value must be a key of (registry="module:attribute")."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **bounds})
     return field(default=default, metadata={"help": help, **bounds})
@@ -30,9 +32,8 @@ class Job:
 class Model:
     name: str = doc("llama", "model family from the registry (llama, qwen3)")
     flavor: str = doc("debug", "size preset of the family (see titanlite.models)")
-    attention_backend: Literal[
-        "auto", "flash_attn_3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa", "manual"
-    ] = doc("auto", "attention kernel; auto picks the fastest available and logs which")
+    attention_backend: str = doc("auto", "attention kernel; auto picks the fastest available and logs which",
+                                 registry="titanlite.ops.attention:CHOICES")
     vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
 
 
@@ -105,8 +106,8 @@ class Data:
 
 @dataclass
 class Parallelism:
-    data_parallel: Literal["none", "ddp", "zero1", "fsdp", "hsdp"] = doc(
-        "fsdp", "data-parallel mode; with one rank every mode runs the single-device path")
+    data_parallel: str = doc("fsdp", "data-parallel mode (traits in titanlite/parallel/modes.py); with one rank "
+                                     "every mode runs the single-device path", registry="titanlite.parallel.modes:MODES")
     replicate_degree: int = doc(-1, "hsdp: replicas, the outer mesh dim (-1 = world / shard_degree; both -1 = "
                                     "one replica per node, sharded over its GPUs)", min=-1)
     shard_degree: int = doc(-1, "hsdp: shards per replica, the inner mesh dim (-1 = world / replicate_degree)", min=-1)
@@ -204,8 +205,7 @@ class Debug:
 class Estimate:
     """Dry runs (python -m estimation): read by estimation/ only; training ignores this section."""
     ngpu: int = doc(1, "GPUs the dry run models (world size of its fake process group)", min=1)
-    hardware: str = doc("h100", "GPU from the table in estimation/hardware.py (a100-40gb, a100, a6000, l40s, "
-                                "h100, h100-pcie, h200, b200)")
+    hardware: str = doc("h100", "GPU by its key in titanlite/hardware.py (h100, h200, b200, a100, ...)")
     output: str = doc("", "JSON report path ('' = <job.dump_folder>/estimate.json)")
     search: bool = doc(True, "binary-search the largest local batch that fits (one fake step per probe)")
     max_local_batch: int = doc(512, "upper bound of that search", min=1)

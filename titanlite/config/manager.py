@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import os
 import sys
@@ -125,6 +126,15 @@ def _lookup(section: str, key: str):
     return fields[key]
 
 
+def registry_choices(f: dataclasses.Field) -> list[str] | None:
+    """The keys of the registry a field names in metadata["registry"] ("module:attribute"), or None."""
+    spec = f.metadata.get("registry")
+    if not spec:
+        return None
+    module, attr = spec.split(":")
+    return list(getattr(importlib.import_module(module), attr))
+
+
 def _set(cfg: JobConfig, dotted: str, value: Any) -> None:
     if dotted.count(".") != 1:
         raise ConfigError(f"config keys look like --section.key; got '--{dotted}'")
@@ -133,6 +143,9 @@ def _set(cfg: JobConfig, dotted: str, value: Any) -> None:
     converted = _convert(dotted, tp, value)
     if isinstance(converted, (int, float)) and not isinstance(converted, bool):
         _check_bounds(dotted, f, converted)
+    choices = registry_choices(f)
+    if choices is not None and converted not in choices:
+        raise ConfigError(f"{dotted} must be one of {', '.join(choices)}; got {converted!r}")
     setattr(getattr(cfg, section), key, converted)
 
 
@@ -241,14 +254,21 @@ def data_parallel_mode(cfg: JobConfig, world: int) -> str:
     return cfg.parallelism.data_parallel if world > 1 else "none"
 
 
+def run_mode(cfg: JobConfig, world: int):
+    """The titanlite.parallel.modes.Mode record a run of `world` ranks uses."""
+    from titanlite.parallel.modes import MODES  # pure data, no torch
+
+    return MODES[data_parallel_mode(cfg, world)]
+
+
 def autocasts(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
-    """Does the forward run under bf16 autocast? On CUDA in bf16, unless FSDP's policy gives bf16
-    parameters; with training.bf16_params on any device (the blocks' matrices are stored in bf16,
-    everything else is left to autocast)."""
+    """Does the forward run under bf16 autocast? On CUDA in bf16, unless the mode shards parameters
+    (FSDP's policy then gives bf16 parameters); with training.bf16_params on any device (the blocks'
+    matrices are stored in bf16, everything else is left to autocast)."""
     if cfg.training.bf16_params:
         return True
     return (device_type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-            and data_parallel_mode(cfg, world) not in ("fsdp", "hsdp"))
+            and not run_mode(cfg, world).shards_params)
 
 
 def check_world_size(cfg: JobConfig, world: int) -> None:
@@ -274,24 +294,17 @@ def hsdp_shape(cfg, world: int) -> tuple[int, int]:
     return rep, shard
 
 
-# Modes a captured step cannot serve, with the reason given to the user.
-CUDA_GRAPHS_UNSUPPORTED = {
-    "fsdp": "FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
-            "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
-    "hsdp": "HSDP is FSDP2 underneath: it allocates and frees gathered parameters every step and syncs "
-            "streams from the host, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)",
-    "zero1": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping and has no "
-             "capturable mode; use ddp (or no cuda_graphs)",
-}
+def refuse(cfg: JobConfig, world: int, setting: str) -> None:
+    """Raise when this run's data-parallel mode cannot run `setting` (its Mode record says why)."""
+    mode = run_mode(cfg, world)
+    if setting in mode.refuses:
+        raise ConfigError(f"{setting} with parallelism.data_parallel={mode.name}: {mode.refuses[setting]}")
 
 
 def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
     """Refuse, with the reason, the combinations a captured step cannot run correctly."""
-    mode = data_parallel_mode(cfg, world)
-    if mode in CUDA_GRAPHS_UNSUPPORTED:
-        raise ConfigError(f"training.cuda_graphs with parallelism.data_parallel={mode}: "
-                          f"{CUDA_GRAPHS_UNSUPPORTED[mode]}")
-    if mode == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
+    refuse(cfg, world, "training.cuda_graphs")
+    if run_mode(cfg, world).name == "ddp" and cfg.parallelism.ddp_reduce_dtype != "float32":
         raise ConfigError("training.cuda_graphs with parallelism.ddp_reduce_dtype=bfloat16: the bf16 hook copies the "
                           "reduced bucket back in a host-side future callback, which a replayed graph would not "
                           "run; use float32 (the default)")
@@ -300,30 +313,16 @@ def check_cuda_graphs(cfg: JobConfig, world: int) -> None:
                           "host to skip its optimizer update")
 
 
-# Modes whose parameters training.bf16_params cannot hold, with the reason given to the user.
-BF16_PARAMS_UNSUPPORTED = {
-    "fsdp": "FSDP keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy)",
-    "hsdp": "HSDP keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy)",
-    "zero1": "ZeroRedundancyOptimizer steps a torch optimizer of its own choosing, not the master-weight AdamW",
-}
-
-
 def check_bf16_params(cfg: JobConfig, world: int) -> None:
     """training.bf16_params runs on one device or under ddp, in bf16."""
-    mode = data_parallel_mode(cfg, world)
-    if mode in BF16_PARAMS_UNSUPPORTED:
-        raise ConfigError(f"training.bf16_params with parallelism.data_parallel={mode}: "
-                          f"{BF16_PARAMS_UNSUPPORTED[mode]}; use ddp or one GPU")
+    refuse(cfg, world, "training.bf16_params")
     if cfg.training.mixed_precision_param != "bfloat16":
         raise ConfigError("training.bf16_params needs training.mixed_precision_param=bfloat16")
 
 
 def check_moments_dtype(cfg: JobConfig, world: int) -> None:
     """optimizer.moments_dtype=bfloat16 runs in MasterAdamW, and only with a beta2 bf16 can follow."""
-    mode = data_parallel_mode(cfg, world)
-    if mode in BF16_PARAMS_UNSUPPORTED:  # the same optimizer, the same modes
-        raise ConfigError(f"optimizer.moments_dtype=bfloat16 with parallelism.data_parallel={mode}: the bf16 moments "
-                          f"live in titanlite's MasterAdamW, which steps plain tensors; use ddp or one GPU")
+    refuse(cfg, world, "optimizer.moments_dtype=bfloat16")
     if cfg.optimizer.beta2 > 0.99:
         # v moves by (1 - beta2) of its gap to g^2 per step; bf16 keeps 8 significant bits, so below
         # about 1% the rounded store swallows the move and v stops following the gradients
@@ -334,6 +333,8 @@ def check_moments_dtype(cfg: JobConfig, world: int) -> None:
 def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
+    from titanlite.parallel.modes import MODES
+
     check_world_size(cfg, world)
     if data_parallel_mode(cfg, world) == "hsdp":
         hsdp_shape(cfg, world)
@@ -346,7 +347,7 @@ def check_combination(cfg: JobConfig, world: int) -> None:
     if cfg.compile.coordinate_descent_tuning and not cfg.compile.enable:
         raise ConfigError("compile.coordinate_descent_tuning needs compile.enable: without compile there are no "
                           "generated kernels to tune")
-    if cfg.parallelism.fsdp_copy_engine_all_gather and cfg.parallelism.data_parallel not in ("fsdp", "hsdp"):
+    if cfg.parallelism.fsdp_copy_engine_all_gather and not MODES[cfg.parallelism.data_parallel].shards_params:
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
 
@@ -385,7 +386,9 @@ def help_text() -> str:
         for name, (tp, f) in _fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             bounds = "".join(f" {b}={f.metadata[b]}" for b in ("min", "max") if b in f.metadata)
-            out.append(f"  --{section}.{name} ({_type_name(tp)}; default {default!r}{bounds})")
+            choices = registry_choices(f)
+            kind = "one of " + ", ".join(choices) if choices else _type_name(tp)
+            out.append(f"  --{section}.{name} ({kind}; default {default!r}{bounds})")
             out.append(f"      {f.metadata.get('help', '')}")
         out.append("")
     return "\n".join(out)

@@ -19,6 +19,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from titanlite.diagnose.runs import PHASES, Run, iqr
+from titanlite.hardware import lookup
+from titanlite.models.args import mfu_pct
+from titanlite.parallel.modes import MODES
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 
@@ -92,10 +95,6 @@ NEXT_CHECK = {
 PHASE_KIND = {"data": "data_stall", "compute": "compute_stall", "optimizer": "compute_stall",
               "comm": "communication", "idle": "host_overhead"}
 
-# nominal per-GPU link bandwidth inside one node, GB/s (most specific name first); a lower bound
-# on all-reduce time, used only to judge whether a growth is communication-sized
-LINK_GBPS = [("GB200", 900.0), ("B200", 900.0), ("H200", 450.0), ("H100 PCIe", 64.0), ("H100", 450.0),
-             ("H800", 200.0), ("A100", 300.0), ("A800", 200.0), ("L40S", 32.0), ("RTX A6000", 56.0)]
 CPU_GBPS = 1.0  # gloo over loopback / shared memory, roughly
 
 
@@ -185,7 +184,7 @@ def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
             if fpt:
                 add("TFLOP/s = tokens/s x FLOPs per token", e.get("tflops"), tps * fpt / 1e12, e["iter"])
         if peak and isinstance(e.get("tflops"), (int, float)):
-            add("MFU = TFLOP/s / (GPUs x peak)", e.get("mfu"), 100 * e["tflops"] / (run.world * peak), e["iter"])
+            add("MFU = TFLOP/s / (GPUs x peak)", e.get("mfu"), mfu_pct(e["tflops"] * 1e12, 1, run.world, peak), e["iter"])
         if prev is not None and isinstance(e.get("tokens_seen"), int) and isinstance(prev.get("tokens_seen"), int):
             steps = e["iter"] - prev["iter"]
             add("tokens seen per step = global batch x seq_len",
@@ -223,8 +222,8 @@ def link_gbps(run: Run, override: float | None) -> float:
         return override
     if run.device != "cuda":
         return CPU_GBPS
-    name = str(run.hardware.get("name") or "")
-    return next((bw for key, bw in LINK_GBPS if key in name), 450.0)
+    hw = lookup(str(run.hardware.get("name") or ""))
+    return hw.link_gbps if hw else 450.0  # an unknown GPU: an NVLink-class node
 
 
 def allreduce_ms(run: Run, gbps: float) -> float:
@@ -464,7 +463,6 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
 
 
 # data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
-OVERLAPPED = {"ddp", "fsdp", "hsdp", "zero1"}
 
 
 def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict | None:
@@ -486,7 +484,8 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
             f"{want:,.1f} ms (+{excess:,.1f} ms, {100 * excess / run.step_ms:.0f}% of the step).")
     comm = run.phase_over_ranks("comm")
     mode = cfg_value(run, "data_parallel")
-    overlapped = phase == "compute" and run.world > base.world and mode in OVERLAPPED
+    traits = MODES.get(mode) if mode else None
+    overlapped = phase == "compute" and run.world > base.world and traits is not None and traits.overlaps_comm
     if overlapped and comm is None:
         text += (f" ({mode}'s exposed communication cannot be told apart from compute in these logs: part of "
                  f"this may be waiting for collectives.)")
@@ -496,7 +495,7 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
         # what measured best on 4 x H200 (docs/performance.md); capping NCCL's CTAs measured slower
-        if mode in ("fsdp", "hsdp"):
+        if traits.shards_params:
             fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
                    "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes")
         else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FLOPS_CONVENTION = "6*(N - input embedding) + 12*L*H*Q*T"
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -48,6 +50,18 @@ class ModelArgs:
         6N counts the forward (2N) and backward (4N) matmuls of every weight that multiplies an
         activation; the input embedding is a lookup, so it is excluded. 12*L*H*Q*T counts the
         attention score and value matmuls (QK^T and PV, 2 * 2 * H*Q*T forward, twice that in
-        backward) without halving for the causal mask, the convention of the peer and PaLM.
+        backward) without halving for the causal mask, the convention of torchtitan and PaLM.
         """
         return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.hdim * seq_len
+
+
+def mfu_pct(tokens_per_sec: float, flops_per_token: float, n_gpus: int, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation in percent: achieved FLOP/s over all GPUs' dense bf16 peak.
+
+    `tokens_per_sec` is the whole run's rate (all GPUs) and `flops_per_token` follows
+    FLOPS_CONVENTION; `peak_tflops` is one GPU's dense bf16 peak (titanlite.hardware). None when
+    the peak is unknown.
+    """
+    if not peak_tflops:
+        return None
+    return 100 * tokens_per_sec * flops_per_token / (n_gpus * peak_tflops * 1e12)

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from titanlite.config import ConfigError
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
+from titanlite.parallel.modes import MODES
 
 
 # ------------------------------------------------------------------------------------------ float8
@@ -46,7 +47,7 @@ def apply_float8(model: nn.Module, cfg, dims) -> None:
                           f"set float8.emulate=true to emulate it (tests only, slow)")
     from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
-    sharded = dims.mode in ("fsdp", "hsdp")
+    sharded = MODES[dims.mode].shards_params
     if f8.recipe == "tensorwise":
         # Under FSDP the weights are all-gathered already cast to float8: half the bytes of bf16.
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=f8.emulate)

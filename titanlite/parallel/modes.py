@@ -1,0 +1,68 @@
+"""Data-parallel modes and their traits: one record per mode, read by everything that depends on one.
+
+Config checks, parallelize, the optimizer builder, CUDA graphs, estimation and diagnose ask a mode
+what it does instead of comparing mode names. A new mode is a record here plus its wrapping
+function in `titanlite.parallel.data_parallel.DATA_PARALLEL` (docs/parallelism.md lists the steps).
+
+Pure data, no torch: the config checker imports it before torchrun starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    summary: str
+    # Parameters live as shards (FSDP2): bf16 compute comes from its mixed-precision policy (it
+    # gathers bf16 copies), not from autocast, and gradients come back as reduce-scattered shards.
+    shards_params: bool = False
+    # Who holds the AdamW state: "local" (every rank, all of it), "zero" (ZeroRedundancyOptimizer
+    # partitions it over the ranks) or "sharded" (it follows the parameter shards).
+    optimizer: str = "local"
+    # Gradient collective: "none", "all_reduce", or "reduce_scatter" (+ parameter all-gathers).
+    comm: str = "none"
+    # The gradient collectives run during backward, beside the GEMMs (bucketed DDP, FSDP2 prefetch).
+    overlaps_comm: bool = False
+    # Allocator headroom over max allocated (reserved / allocated - 1) measured with
+    # expandable_segments: FSDP2's all-gather and reduce-scatter buffers live on their own streams,
+    # whose blocks are not shared with the default stream's.
+    headroom: float = 0.02
+    # CUDA graphs need this many eager steps before capture (DDP settles its buckets first).
+    min_graph_warmup: int = 0
+    # Settings this mode cannot run, each with the reason given to the user.
+    refuses: dict[str, str] = field(default_factory=dict)
+
+
+_FSDP_GRAPHS = ("FSDP2 allocates and frees the gathered parameters every step and orders its streams with "
+                "host-side events, which a CUDA graph cannot replay; use ddp (or no cuda_graphs)")
+_FSDP_BF16 = "{} keeps fp32 shards and gathers bf16 copies itself (its mixed-precision policy); use ddp or one GPU"
+_MASTER = "the bf16 moments live in titanlite's MasterAdamW, which steps plain tensors; use ddp or one GPU"
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("none", "one process, no wrapper (what every mode runs with one rank)"),
+    Mode("ddp", "DistributedDataParallel: full replicas, gradients all-reduced in buckets during backward",
+         comm="all_reduce", overlaps_comm=True, min_graph_warmup=11),
+    Mode("zero1", "ddp for gradients, AdamW state partitioned over the ranks (ZeroRedundancyOptimizer)",
+         optimizer="zero", comm="all_reduce", overlaps_comm=True,
+         refuses={"training.cuda_graphs": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping "
+                                          "and has no capturable mode; use ddp (or no cuda_graphs)",
+                  "training.bf16_params": "ZeroRedundancyOptimizer steps a torch optimizer of its own choosing, "
+                                          "not the master-weight AdamW; use ddp or one GPU",
+                  "optimizer.moments_dtype=bfloat16": _MASTER}),
+    Mode("fsdp", "FSDP2 fully_shard per block and the root: parameters, gradients and AdamW state sharded",
+         shards_params=True, optimizer="sharded", comm="reduce_scatter", overlaps_comm=True, headroom=0.15,
+         refuses={"training.cuda_graphs": _FSDP_GRAPHS, "training.bf16_params": _FSDP_BF16.format("FSDP"),
+                  "optimizer.moments_dtype=bfloat16": _MASTER}),
+    Mode("hsdp", "FSDP2 over a 2-D mesh: sharded inside a replica group, replicated across groups",
+         shards_params=True, optimizer="sharded", comm="reduce_scatter", overlaps_comm=True, headroom=0.15,
+         refuses={"training.cuda_graphs": "HSDP is FSDP2 underneath: " + _FSDP_GRAPHS,
+                  "training.bf16_params": _FSDP_BF16.format("HSDP"),
+                  "optimizer.moments_dtype=bfloat16": _MASTER}),
+)}
+
+
+def get_mode(name: str) -> Mode:
+    return MODES[name]
