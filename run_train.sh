@@ -9,7 +9,8 @@
 #                 TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500"
 #   PYTHON        the interpreter (default python3). What it lacks of pyproject.toml's dependencies is
 #                 installed first (pip install -e this repository), torch before the rest:
-#   TITANLITE_INSTALL=0  use the interpreter as it is: no check, no pip (an offline machine set up by hand)
+#   TITANLITE_INSTALL=0  use the interpreter as it is: no check, no pip (an offline machine set up by hand);
+#                 =only: install what is missing, then stop (run_tests.sh)
 #   TORCH_SPEC    pip arguments that install torch when it is missing, e.g.
 #                 TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128".
 #                 Default: PyPI's torch on a machine with an NVIDIA GPU; otherwise a CPU build (one your pip
@@ -53,6 +54,7 @@ install_missing() {
 }
 
 [ "${TITANLITE_INSTALL:-1}" = 0 ] || install_missing
+[ "${TITANLITE_INSTALL:-1}" != only ] || exit 0
 
 ARGS=("$@")
 case " $* " in

@@ -232,3 +232,21 @@ def test_run_train_sh_installs_nothing_present_and_sets_no_nccl_variable(tmp_pat
     launched = dict(line.split("=", 1) for line in (tmp_path / "torchrun.env").read_text().splitlines() if "=" in line)
     assert launched["STUB_REAL"] == sys.executable  # it is the launch's environment
     assert [k for k in launched if k.startswith("NCCL_")] == []
+
+
+def test_missing_deps_checks_versions_and_markers():
+    """What run_train.sh installs from: absent and too-old requirements; one whose marker excludes this
+    interpreter is not asked for."""
+    import importlib.metadata
+
+    from titanlite.tools.missing_deps import missing
+
+    installed = {"torch": "2.10.0", "numpy": "2.1.0"}
+
+    def version_of(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    reqs = ["torch>=2.11", "numpy>=1.24", "tqdm>=4.60", "tomli>=2.0; python_version < '3.0'"]
+    assert missing(reqs, version_of) == ["torch>=2.11 (found 2.10.0)", "tqdm"]

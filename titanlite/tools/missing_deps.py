@@ -1,7 +1,9 @@
-"""Which of titanlite's requirements does this interpreter lack?  `python -m titanlite.tools.missing_deps PYPROJECT`
+"""Which of titanlite's requirements does this interpreter lack?
+`python -m titanlite.tools.missing_deps PYPROJECT [EXTRA ...]`
 
-Prints the missing (or too old) requirements of the `[project] dependencies` in PYPROJECT on one
-line and exits 1, or prints nothing and exits 0. run_train.sh installs from this answer.
+Prints the missing (or too old) requirements of the `[project] dependencies` in PYPROJECT (and of
+the optional-dependency groups named, e.g. dev) on one line and exits 1, or prints nothing and
+exits 0. run_train.sh and run_tests.sh install from this answer.
 
 Standard library only (it runs before anything is installed) and independent of the folder it is
 run from: the packages are looked up in the interpreter's installed metadata, with the caller's
@@ -41,7 +43,7 @@ def missing(dependencies: list[str], version_of=metadata.version) -> list[str]:
     return out
 
 
-def main(pyproject: str) -> int:
+def main(pyproject: str, extras: list[str]) -> int:
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]  # the caller's folder: a package lying there is not installed
     try:
@@ -58,7 +60,8 @@ def main(pyproject: str) -> int:
         print("pip")
         return 1
     with open(pyproject, "rb") as fh:
-        dependencies = tomllib.load(fh)["project"]["dependencies"]
+        project = tomllib.load(fh)["project"]
+    dependencies = project["dependencies"] + [d for e in extras for d in project["optional-dependencies"][e]]
     lacking = missing(dependencies)
     if lacking:
         print(" ".join(lacking))
@@ -66,4 +69,4 @@ def main(pyproject: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
