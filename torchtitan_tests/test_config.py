@@ -108,6 +108,9 @@ def test_non_finite_number_in_toml(tmp_path):
     p.write_text("[optimizer]\nlr = nan\n")
     with pytest.raises(ConfigError, match=r"nan.toml: optimizer.lr expects a finite number"):
         load_config(["--job.config_file", str(p)])
+    p.write_text(f"[optimizer]\nlr = {10**400}\n")
+    with pytest.raises(ConfigError, match=r"nan.toml: optimizer.lr expects a number"):
+        load_config(["--job.config_file", str(p)])
 
 
 def test_config_file_inside_a_config_file_is_refused(tmp_path):

@@ -92,7 +92,7 @@ def _convert(key: str, tp, value: Any) -> Any:
             raise bad
         try:
             number = float(value)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: a TOML integer beyond any float
             raise bad from None
         if not math.isfinite(number):  # nan/inf would pass every bound check (nan < lo is False)
             raise ConfigError(f"{key} expects a finite number, got {value!r}")
