@@ -37,6 +37,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel import float8_post_step, init_distributed, parallelize
 from titanlite.parallel.cuda_graphs import CudaGraphStep
 from titanlite.parallel.data_parallel import fused_clip_supported
+from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.step import (NonFiniteLossError, StepHooks, TrainStep, check_finite, global_step_losses,
                             make_forward_loss, validation_loss)
 
@@ -290,6 +291,7 @@ class Trainer:
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    watch_launcher()  # under torchrun: stop when the launcher dies
     cfg = load_config(argv)
     trainer = Trainer(cfg)
     failure = None  # raised once the Trainer is gone
