@@ -12,6 +12,7 @@ for the throughput model.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -96,6 +97,13 @@ class StepTracker(TorchDispatchMode):
         self._orig_resize = None
         self._orig_meta_prop = None
         self._meta_prop_depth = 0  # > 0: inside DTensor's sharding propagation, not part of the step
+        self._node: tuple[bool, bool] | None = None  # inside a compiled graph: (materialised, library call)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile traces with this mode switched off and runs its compiled graphs under it (see
+        estimation.compiled): the tracker sees what a compiled step runs, not how it was compiled."""
+        return True
 
     # ------------------------------------------------------------------------------ memory
     def _add(self, st, category: str) -> _Block:
@@ -183,6 +191,25 @@ class StepTracker(TorchDispatchMode):
             _sharding_propagator()._propagate_tensor_meta_non_cached = self._orig_meta_prop
         return super().__exit__(*exc)
 
+    # ------------------------------------------------------------------------------ compiled graphs
+    @contextlib.contextmanager
+    def compiled_node(self, counted: bool, extern: bool):
+        """Around one node of a compiled graph (estimation.compiled): its outputs take memory only when
+        Inductor materialises them, and only a library call counts as work of its own (the fused
+        kernels' traffic comes from add_kernels)."""
+        self._node = (counted, extern)
+        try:
+            yield
+        finally:
+            self._node = None
+
+    def add_kernels(self, cost) -> None:
+        """A compiled graph's generated kernels: their bytes and launches, once per run of the graph."""
+        if self.count_work:
+            w = self.work[self.phase]
+            w.memory_bytes += cost.kernel_bytes
+            w.ops += cost.kernels
+
     # ------------------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -196,11 +223,13 @@ class StepTracker(TorchDispatchMode):
         if func.namespace == "c10d" and name in COLLECTIVES:
             self._collective(name, args)
         else:
+            counted, extern = self._node or (True, True)
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            for t in flat_out:
-                for st in storages(t):
-                    self._add(st, self.category)
-            if self.count_work:
+            if counted:
+                for t in flat_out:
+                    for st in storages(t):
+                        self._add(st, self.category)
+            if self.count_work and extern:
                 self._work(func, name, args, kwargs, flat_out)
         return out
 
