@@ -99,6 +99,11 @@ class GraphCost:
     kernels: int = 0           # generated kernels launched
 
 
+def _hint(n) -> int:
+    """A size as a number (a symbolic one, e.g. of the random-state token, by its example value)."""
+    return n if isinstance(n, int) else int(n.node.hint) if hasattr(n, "node") else int(n)
+
+
 def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
     """Each materialised fused/reduction node is one generated kernel: it writes its output and reads
     the materialised tensors its inlined cone reaches."""
@@ -117,7 +122,7 @@ def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
     def nbytes(node):
         v = node.meta.get("val")
         vals = v if isinstance(v, (list, tuple)) else [v]
-        return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+        return sum(_hint(t.numel()) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
 
     for node in graph.nodes:
         if node.op != "call_function" or node not in mat or kind(node) == "extern":
@@ -135,6 +140,16 @@ class _Runner(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, mat: set[fx.Node], cost: GraphCost):
         super().__init__(gm)
         self.mat, self.cost = mat, cost
+
+    def call_function(self, target, args, kwargs):
+        # Recomputation under activation checkpointing replays random ops with the state saved in
+        # forward; the state is a token here, the op runs as itself.
+        hop = torch.ops.higher_order
+        if target is getattr(hop, "run_and_save_rng_state", None):
+            return torch.empty(0, dtype=torch.uint8), args[0](*args[1:], **kwargs)
+        if target is getattr(hop, "run_with_rng_state", None):
+            return args[1](*args[2:], **kwargs)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
         tracker = _active_tracker()

@@ -69,7 +69,8 @@ class PhaseWork:
     matmul_flops: float = 0.0
     float8_flops: float = 0.0
     attention_flops: float = 0.0    # causal FLOPs, forward 2*B*H*S^2*D, backward 2.5x that
-    memory_bytes: float = 0.0       # bytes read + written by every other op
+    memory_bytes: float = 0.0       # bytes read + written by every other eager op
+    fused_bytes: float = 0.0        # bytes read + written by compiled graphs' generated kernels
     ops: int = 0                    # kernels launched
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
 
@@ -207,7 +208,7 @@ class StepTracker(TorchDispatchMode):
         """A compiled graph's generated kernels: their bytes and launches, once per run of the graph."""
         if self.count_work:
             w = self.work[self.phase]
-            w.memory_bytes += cost.kernel_bytes
+            w.fused_bytes += cost.kernel_bytes
             w.ops += cost.kernels
 
     # ------------------------------------------------------------------------------ dispatch
