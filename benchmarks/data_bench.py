@@ -3,6 +3,7 @@
     python benchmarks/data_bench.py                       # ~30 MB of text in a temp folder
     python benchmarks/data_bench.py --workdir /tmp/dbench  # keep the prepared shards (for a training run)
     python benchmarks/data_bench.py --data-wait outputs/llama-1.36b/run_*.json   # data-wait share of a run
+    python benchmarks/data_bench.py --verify-gib 8 --workdir /tmp/vbench   # start-up shard verification GB/s
 
 The text is the interpreter's standard library (the python_stdlib corpus) repeated to --mb
 megabytes, so every machine builds the same corpus without a download. The loader is measured at
@@ -72,6 +73,36 @@ def data_wait(paths: list[str]) -> None:
               f"= {100 * sum(data) / sum(step):.2f}% (max over ranks and log steps {max(d / s for d, s in zip(data, step)) * 100:.2f}%)")
 
 
+def verify_throughput(work: Path, gib: float, cold: bool) -> None:
+    """GB/s of the start-up shard verification (CRC32 + largest id) over `gib` GiB of uint16 shards of
+    the default size, per thread count, from the page cache and, with `cold` (root), from disk."""
+    import numpy as np
+
+    from titanlite.data.prepare import DEFAULT_SHARD_TOKENS
+    from titanlite.data.shards import ShardWriter, scan_shards
+
+    out = work / f"verify_{gib:g}gib"
+    if not (out / "meta.json").exists():
+        block = np.random.default_rng(0).integers(0, 32000, 1 << 20, dtype=np.uint16)
+        t0 = time.perf_counter()
+        with ShardWriter(out, 32000, DEFAULT_SHARD_TOKENS, overwrite=True) as w:
+            for _ in range(int(gib * 2**30 / block.nbytes)):
+                w.add("train", block)
+            w.commit({"vocab_size": 32000})
+        print(f"wrote {gib:g} GiB of shards (with their CRC32 and largest id) in {time.perf_counter() - t0:.1f} s")
+    paths = sorted(out.glob("train_*.bin"))
+    total = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} shards, {total / 2**30:.2f} GiB | {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    for threads in sorted({1, 2, 4, 8, 16, os.cpu_count() or 1}):
+        for cache in ("page cache", "disk") if cold else ("page cache",):
+            if cache == "disk":
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            t0 = time.perf_counter()
+            scan_shards(paths, np.dtype(np.uint16), threads)
+            print(f"threads {threads:>3}  {cache:<10}  {total / (time.perf_counter() - t0) / 1e9:6.2f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=30, help="megabytes of text to prepare")
@@ -80,9 +111,16 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200, help="loader batches timed per setting")
     ap.add_argument("--prepare-workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--data-wait", nargs="+", metavar="RUN_JSON", help="only report data-wait share of run logs")
+    ap.add_argument("--verify-gib", type=float, default=0, help="only time shard verification over this many GiB")
+    ap.add_argument("--verify-cold", action="store_true",
+                    help="with --verify-gib, also read from disk: drops the page cache of the whole machine (root)")
     args = ap.parse_args()
     if args.data_wait:
         return data_wait([p for pat in args.data_wait for p in sorted(glob.glob(pat))])
+    if args.verify_gib:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="data_bench_"))
+        work.mkdir(parents=True, exist_ok=True)
+        return verify_throughput(work, args.verify_gib, args.verify_cold)
 
     from titanlite.data.prepare import file_pieces, prepare_dataset
     from titanlite.data.tokenizer import train_bpe

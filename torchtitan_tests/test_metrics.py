@@ -167,7 +167,7 @@ def test_tensorboard_and_profiler_files(tmp_cache):
                               "--profiling.num_steps", "2", "--job.dump_folder", str(tmp_cache)])
     t = Trainer(cfg)
     t.train()
-    acc = EventAccumulator(t.tensorboard.log_dir)
+    acc = EventAccumulator(t.report.tensorboard.log_dir)
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert {"train/loss", "perf/mfu_pct", "perf/tokens_per_sec", "breakdown/compute_ms_median"} <= set(tags)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titanlite.config import ConfigError, load_config
+from titanlite.step import make_forward_loss
 from titanlite.train import Trainer
 
 from conftest import ROOT, free_port
@@ -131,7 +132,7 @@ def test_bf16_params_compute_what_autocast_computes(tmp_path):
     assert not low & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.ffn_norm.weight"}
     assert type(t.optimizer).__name__ == "MasterAdamW"
     ref = Trainer(load_config(base_args(tmp_path / "autocast", 8)))
-    ref.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # what the GPU's default runs (CPU's is fp32)
+    ref.step.forward_loss = make_forward_loss(ref.model, "chunked", "cpu")  # the GPU's default runs autocast
     # the masters start from the fp32 initialisation, not from its bf16 rounding (which trained worse)
     init = dict(ref.model.named_parameters())
     for n, p in t.model.named_parameters():

@@ -104,9 +104,9 @@ def test_skip_of_nonfinite_step(tmp_cache, monkeypatch, fused):
                        "--training.local_batch_size", "2", "--optimizer.fused", fused, "--training.on_nan", "skip",
                        "--job.dump_folder", str(tmp_cache), "--validation.enable=false"])
     t = Trainer(cfg)
-    assert t.optimizer_skips_nonfinite == (fused == "true")
+    assert t.step.skips_on_device == (fused == "true")
     before = [p.detach().clone() for p in t.model.parameters()]
-    monkeypatch.setattr(t, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
+    monkeypatch.setattr(t.step, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.train_step()
