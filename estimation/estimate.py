@@ -121,7 +121,8 @@ def estimate(cfg, progress=_progress) -> dict:
                 return r.peak_bytes
 
             if est.search:
-                largest = largest_batch(peak_of, fits, min(local, limit), limit)
+                # a configured batch beyond the bound is not probed: start from the bottom instead
+                largest = largest_batch(peak_of, fits, local if local <= limit else 1, limit)
             elif fits(peak_of(local)):
                 largest = local
         finally:
