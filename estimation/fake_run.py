@@ -306,7 +306,7 @@ class FakeRun:
             t.count_work = True
             t.reset_peak()
             self._step(local_batch, self.seq_len, micro_steps)
-            return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work))
+            return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
 
     def close(self) -> None:
         self._stack.close()
@@ -320,3 +320,9 @@ class StepResult:
     breakdown: dict       # category -> bytes at the peak
     model_state: dict     # category -> bytes live after the last backward (before the optimizer step)
     work: dict            # phase -> tracker.PhaseWork
+    phase_peak: dict = dataclasses.field(default_factory=dict)  # phase -> most live bytes in it
+
+    def peak_without_accumulation(self) -> int:
+        """The peak of a step with one micro-batch, from a step of two: the first micro-step runs as the
+        only one would (no gradients held yet), and the optimizer phase is the same."""
+        return max(v for k, v in self.phase_peak.items() if k in ("fwd_accum", "bwd_accum", "opt"))

@@ -91,6 +91,7 @@ class StepTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.peak_blocks: list[tuple[_Block, int]] = []  # (block, its size then)
+        self.phase_peak: dict[str, int] = {}  # phase -> the most live bytes seen in it
         self.category = "params"        # label for storages born now
         self.phase = "setup"
         self.work: dict[str, PhaseWork] = defaultdict(PhaseWork)
@@ -124,6 +125,8 @@ class StepTracker(TorchDispatchMode):
             self.live -= block.nbytes
 
     def _update_peak(self) -> None:
+        if self.live > self.phase_peak.get(self.phase, 0):
+            self.phase_peak[self.phase] = self.live
         if self.live > self.peak:
             self.peak = self.live
             self.peak_blocks = [(b, b.nbytes) for b in self.blocks.values()]  # sizes change (FSDP resizes)
@@ -142,6 +145,7 @@ class StepTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_blocks = self.live, [(b, b.nbytes) for b in self.blocks.values()]
+        self.phase_peak = {}
 
     def breakdown(self, which: str = "peak") -> dict[str, int]:
         blocks = self.peak_blocks if which == "peak" else [(b, b.nbytes) for b in self.blocks.values()]
