@@ -78,6 +78,21 @@ def cuda_like_kernels():
 
 
 @contextlib.contextmanager
+def _float8_as_on_the_gpu():
+    """The target GPU runs float8 matmuls (torch._scaled_mm); on fake tensors its fake kernel gives
+    their shapes on any device, so the fake run keeps torchao's real (non-emulated) path: the float8
+    GEMMs are counted as such, and torchao saves what it saves on the GPU."""
+    import titanlite.parallel.apply as apply
+
+    orig = apply.float8_supported
+    apply.float8_supported = lambda device: True
+    try:
+        yield
+    finally:
+        apply.float8_supported = orig
+
+
+@contextlib.contextmanager
 def _init_without_values():
     """Weight initialisation has nothing to draw on fake tensors, and torch's truncated normal
     redraws out-of-range values in a loop that reads them."""
@@ -214,7 +229,6 @@ class FakeRun:
 
     def __init__(self, cfg, world: int, attention_backend: str = "sdpa"):
         self.cfg = run_cfg = copy.deepcopy(cfg)
-        run_cfg.float8.emulate = True             # float8 matmuls have CPU (fake) kernels only emulated
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
         run_cfg.training.cuda_graphs = False      # capture changes no tensor; it needs a CUDA device
         self.world = world
@@ -247,7 +261,7 @@ class FakeRun:
             from estimation.compiled import capture_compile
 
             self._stack.enter_context(capture_compile())
-        with self._active(), _init_without_values():
+        with self._active(), _init_without_values(), _float8_as_on_the_gpu():
             self.tracker.count_work = False
             self.model = model = parallelize(model, run_cfg, self.dims, wrap=self._wrap)
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
