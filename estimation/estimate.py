@@ -101,7 +101,7 @@ def estimate(cfg, progress=_progress) -> dict:
     fits = _Fits(usable, headroom(est.fragmentation, mode))
     floor = activation_floor(args, seq)
     bound = int(fits.budget // floor)  # no batch above this can fit
-    limit = min(max(est.max_local_batch, local), bound)
+    limit = min(max(est.max_local_batch, local if local <= bound else 0), bound)
     if local > bound:
         progress(f"local batch {local} does not fit: its blocks' inputs alone take {local * floor / GIB:,.1f} GiB "
                  f"of {fits.budget / GIB:.1f} GiB (not run)")

@@ -265,7 +265,6 @@ def format_table(r: dict) -> str:
 
 def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
     best = _config(cfg, c.knobs, c.local, c.accum, world, c.cuda_graphs)
-    best.job.config_file = ""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     header = (f"# Recommended by python -m estimation --estimate.recommend for {world} x {cfg.estimate.hardware}: "
               f"{c.knobs.label()}, local batch {c.local} x accumulation {c.accum}"
@@ -275,8 +274,10 @@ def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
               + "".join(f"# {t}\n" for t in c.trade_offs())
               + (f"# launch: torchrun --nproc_per_node {world} -m titanlite.train --job.config_file {path}\n"
                  if world > 1 else f"# launch: ./run_train.sh --job.config_file {path}\n"))
+    # every setting written out, so the file says what runs; a config file does not name another one
+    body = "\n".join(line for line in to_toml(best).splitlines() if not line.startswith("config_file ="))
     with open(path + ".tmp", "w") as fh:
-        fh.write(header + "\n" + to_toml(best))
+        fh.write(header + "\n" + body + "\n")
     os.replace(path + ".tmp", path)
     load_config(["--job.config_file", path])  # it must load as written
     return path
