@@ -58,6 +58,7 @@ CASES = {
     "fsdp2_b8": (2, H100_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
 }
 PROFILED = {1: ["b8", "b4_float8", "b4_bf16_params_moments"], 2: ["ddp2_b24", "fsdp2_b8"]}
+PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"]
 RECOMMEND_TARGET = 32  # sequences of 2048 tokens per step on 1 GPU
 
 # Kernel name fragments -> the throughput model's term; the first match wins (optimizer before element-wise).
@@ -103,19 +104,68 @@ def measure(ranks: int, args: list[str], timeout: float, extra: list[str] = ()) 
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, timeout))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
-        logs = glob.glob(os.path.join(out, "run_*.json"))
         text = (p.stderr + p.stdout).lower()
-        if p.returncode != 0 or not logs:
+        if p.returncode != 0:
             if "out of memory" in text:
                 return {"error": "oom", "wall_s": round(time.time() - t0, 1)}
             return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-        s = json.load(open(logs[0]))["summary"]
-        res = {"peak_gib": s.get("peak_memory_gb"), "tokens_per_sec_per_gpu": s.get("tokens_per_sec") / ranks
-               if s.get("tokens_per_sec") else None, "mfu_pct": s.get("mfu_pct"), "wall_s": round(time.time() - t0, 1)}
-        traces = glob.glob(os.path.join(out, "profile_traces", "*", "rank0.json"))
-        if traces:
-            res["profile_ms_per_step"] = kernel_breakdown(traces[0])
-        return res
+        return summary_of(out, ranks, t0)
+
+
+def summary_of(out: str, ranks: int, t0: float) -> dict:
+    """The measured figures from a run's log in `out`: peak allocated, steady tokens/s per GPU, profile."""
+    logs = glob.glob(os.path.join(out, "run_*.json"))
+    if not logs:
+        return {"error": "no run log"}
+    s = json.load(open(logs[0]))["summary"]
+    res = {"peak_gib": s.get("peak_memory_gb"), "tokens_per_sec_per_gpu": s.get("tokens_per_sec") / ranks
+           if s.get("tokens_per_sec") else None, "mfu_pct": s.get("mfu_pct"), "wall_s": round(time.time() - t0, 1)}
+    traces = glob.glob(os.path.join(out, "profile_traces", "*", "rank0.json"))
+    if traces:
+        res["profile_ms_per_step"] = kernel_breakdown(traces[0])
+    return res
+
+
+def worker(names: list[str], profiled: list[str], results_file: str) -> None:
+    """One process runs the one-GPU cases one after another (the trainer's own main, then a reset of
+    compile and allocator state): the interpreter, CUDA and the compile caches start once."""
+    import gc
+
+    import torch
+
+    from titanlite import train
+
+    done = {}
+    for n in names:
+        _, config, ov = CASES[n]
+        extra = PROFILE if n in profiled else []
+        with tempfile.TemporaryDirectory() as out:
+            t0 = time.time()
+            try:
+                train.main(base_args(config, ov) + extra + ["--job.dump_folder", out])
+                done[n] = summary_of(out, 1, t0)
+            except BaseException as e:  # noqa: BLE001 (a case that fails is recorded; the next one runs)
+                oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+                done[n] = {"error": "oom" if oom else f"{type(e).__name__}: {e}"[:300]}
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        with open(results_file + ".tmp", "w") as fh:
+            json.dump(done, fh)
+        os.replace(results_file + ".tmp", results_file)
+
+
+def measure_in_one_process(names: list[str], profiled: list[str], budget_end: float) -> dict:
+    """The worker above in a subprocess; what it finished before the budget ran out."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(names), "--profile", ",".join(profiled),
+               "--results-file", results]
+        try:
+            subprocess.run(cmd, cwd=ROOT, timeout=max(30.0, budget_end - time.time()), stdout=sys.stderr)
+        except subprocess.TimeoutExpired:
+            log("one-GPU cases: budget spent, keeping the finished ones")
+        return json.load(open(results)) if os.path.exists(results) else {}
 
 
 def kernel_breakdown(trace: str) -> dict:
@@ -238,9 +288,15 @@ def main() -> None:
     ap.add_argument("--no-oom-search", action="store_true")
     ap.add_argument("--no-recommend", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="start no new case after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=520.0,
+                    help="seconds for the whole call: no case starts after them, and waits end 30 s later")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run these one-GPU cases in this process
+    ap.add_argument("--profile", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--results-file", help=argparse.SUPPRESS)
     opts = ap.parse_args()
+    if opts.worker:
+        return worker(opts.worker.split(","), [n for n in opts.profile.split(",") if n], opts.results_file)
     t_end = time.time() + opts.budget_s
     os.makedirs(opts.out, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "titanlite_inductor_cache"))
@@ -266,22 +322,32 @@ def main() -> None:
     pending = {n: pool.submit(predict, n, CASES[n][0], CASES[n][1], CASES[n][2], hw, n == "b8" and opts.gpus == 1)
                for n in names}
     rec = None if opts.no_recommend or opts.gpus != 1 or opts.only else pool.submit(recommend_pick, hw, opts.out)
+    profiled = [] if opts.no_profile else PROFILED.get(opts.gpus, [])
+    if opts.gpus == 1:
+        # the OOM search (two probes when the prediction is right) and the recommended pick need their share
+        tail = (0 if opts.no_oom_search or opts.only else 110) + (0 if rec is None else 60)
+        measured = measure_in_one_process(names, [n for n in names if n in profiled], t_end - tail)
+    else:
+        measured = {}
+        for n in names:
+            if time.time() > t_end:
+                break
+            ranks, config, ov = CASES[n]
+            measured[n] = measure(ranks, base_args(config, ov), t_end + 30 - time.time(),
+                                  PROFILE if n in profiled else [])
     for n in names:
-        ranks, config, ov = CASES[n]
-        if time.time() > t_end:
-            log(f"{n}: skipped (budget spent)")
+        if n not in measured:
+            log(f"{n}: not measured (budget spent)")
             continue
-        profile = not opts.no_profile and n in PROFILED.get(opts.gpus, [])
-        extra = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"] if profile else []
-        m = measure(ranks, base_args(config, ov), t_end - time.time() + 60, extra)
+        ranks, config, ov = CASES[n]
         results["cases"][n] = {"ranks": ranks, "config": os.path.relpath(config, ROOT), "overrides": ov,
-                               "measured": m, "profiled": profile}
-        log(f"{n}: measured {m}")
-        save()
+                               "measured": measured[n], "profiled": n in profiled}
+        log(f"{n}: measured {measured[n]}")
+    save()
     for n, f in pending.items():
         if n in results["cases"]:
             try:
-                results["cases"][n]["predicted"] = f.result(timeout=max(1.0, t_end + 120 - time.time()))
+                results["cases"][n]["predicted"] = f.result(timeout=max(1.0, t_end + 30 - time.time()))
             except Exception as e:  # a prediction that failed is reported, not fatal to the rest
                 results["cases"][n]["predicted"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     save()
@@ -292,7 +358,7 @@ def main() -> None:
     if rec is not None and time.time() < t_end:
         try:
             pick = rec.result(timeout=max(1.0, t_end - time.time()))
-            m = measure(1, ["--job.config_file", pick["toml"], *RUN], t_end - time.time() + 60)
+            m = measure(1, ["--job.config_file", pick["toml"], *RUN], t_end + 30 - time.time())
             results["cases"]["recommended"] = {"ranks": 1, "config": pick["toml"], "overrides": [], "measured": m,
                                                "predicted": {k: pick[k] for k in ("peak_gib", "tokens_per_sec_per_gpu",
                                                                                  "mfu_pct")}, "pick": pick}
