@@ -120,9 +120,10 @@ def summary_of(out: str, ranks: int, t0: float) -> dict:
     s = json.load(open(logs[0]))["summary"]
     res = {"peak_gib": s.get("peak_memory_gb"), "tokens_per_sec_per_gpu": s.get("tokens_per_sec") / ranks
            if s.get("tokens_per_sec") else None, "mfu_pct": s.get("mfu_pct"), "wall_s": round(time.time() - t0, 1)}
-    traces = glob.glob(os.path.join(out, "profile_traces", "*", "rank0.json"))
-    if traces:
-        res["profile_ms_per_step"] = kernel_breakdown(traces[0])
+    traces = glob.glob(os.path.join(out, "profile_traces", "step*-*", "rank0.json"))
+    if traces:  # the window's folder is named step<first>-<last>
+        first, last = os.path.basename(os.path.dirname(traces[0]))[4:].split("-")
+        res["profile_ms_per_step"] = kernel_breakdown(traces[0], int(last) - int(first) + 1)
     return res
 
 
@@ -168,10 +169,9 @@ def measure_in_one_process(names: list[str], profiled: list[str], budget_end: fl
         return json.load(open(results)) if os.path.exists(results) else {}
 
 
-def kernel_breakdown(trace: str) -> dict:
+def kernel_breakdown(trace: str, steps: int) -> dict:
     """GPU kernel time per throughput term, per profiled step (ms), and the 15 longest kernels."""
     events = json.load(open(trace)).get("traceEvents", [])
-    steps = sum(1 for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")) or 1
     per_term, per_kernel = {}, {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") != "kernel":

@@ -167,3 +167,33 @@ def test_recommend_bad_input_is_one_line(tmp_path, extra, message):
     lines = p.stderr.strip().splitlines()
     assert lines[-1].startswith(message) and not any("Traceback" in line for line in lines)
     assert not [line for line in lines if not line.startswith(("[recommend]", "error:"))]
+
+
+def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):
+    """estimation.calibrate: rate = predicted work / (profiled kernel time x the GPU's peak)."""
+    import json
+
+    from estimation.calibrate import calibrate
+
+    work = {"gemm_flops": 400e12, "float8_flops": 0.0, "attention_flops": 30e12, "elementwise_bytes": 2e9,
+            "fused_bytes": 120e9, "optimizer_bytes": 40e9, "kernels": 1000, "comm_bytes": 0.0}
+    a = {"attention_backend": "sdpa_cudnn", "link_gbps": 450.0}
+    ms = {"gemm": 500.0, "attention": 100.0, "fused": 60.0, "elementwise": 2.0, "optimizer": 20.0}
+    results = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "2026-11-24", "cases": {
+        "b8": {"ranks": 1, "predicted": {"work": work, "assumptions": a},
+               "measured": {"profile_ms_per_step": {"steps": 2, "terms": ms}}}}}
+    r = calibrate(results)
+    assert r["gemm_efficiency"][0] == pytest.approx(400e12 / (0.5 * 989e12))
+    assert r["attention:sdpa_cudnn"][0] == pytest.approx(30e12 / (0.1 * 989e12))
+    assert r["fused_efficiency"][0] == pytest.approx(120e9 / (0.06 * 3.35e12))
+    assert r["optimizer_efficiency"][0] == pytest.approx(40e9 / (0.02 * 3.35e12))
+    assert "link_efficiency" not in r and "float8_efficiency" not in r  # no link, no float8 GEMMs here
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(path)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "gemm_efficiency" in p.stdout and "(b8)" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(tmp_path / "missing.json")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: cannot read")
