@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--no-oom-search", action="store_true")
     ap.add_argument("--no-recommend", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=520.0,
+    ap.add_argument("--budget-s", type=float, default=550.0,
                     help="seconds for the whole call: no case starts after them, and waits end 30 s later")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run these one-GPU cases in this process
@@ -318,14 +318,15 @@ def main() -> None:
             json.dump(results, fh, indent=1)
 
     # predictions (and the recommendation) on the CPU while the GPU measures
-    pool = futures.ProcessPoolExecutor(max_workers=3, mp_context=multiprocessing.get_context("spawn"))
+    # two CPU workers: the trainer's compile needs the other cores
+    pool = futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
     pending = {n: pool.submit(predict, n, CASES[n][0], CASES[n][1], CASES[n][2], hw, n == "b8" and opts.gpus == 1)
                for n in names}
     rec = None if opts.no_recommend or opts.gpus != 1 or opts.only else pool.submit(recommend_pick, hw, opts.out)
     profiled = [] if opts.no_profile else PROFILED.get(opts.gpus, [])
     if opts.gpus == 1:
         # the OOM search (two probes when the prediction is right) and the recommended pick need their share
-        tail = (0 if opts.no_oom_search or opts.only else 110) + (0 if rec is None else 60)
+        tail = (0 if opts.no_oom_search or opts.only else 110) + (0 if rec is None else 70)
         measured = measure_in_one_process(names, [n for n in names if n in profiled], t_end - tail)
     else:
         measured = {}

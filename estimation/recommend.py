@@ -64,6 +64,8 @@ class Knobs:
                "optimizer.moments_dtype": "bfloat16" if self.bf16_moments else "float32"}
         if self.mode != "none":
             out["parallelism.data_parallel"] = self.mode
+        if self.mode == "hsdp":  # sharded inside a node, replicated across nodes
+            out.update({"parallelism.shard_degree": GPUS_PER_NODE, "parallelism.replicate_degree": -1})
         return out
 
     def label(self) -> str:
@@ -218,36 +220,39 @@ def recommend(cfg, progress=_progress) -> dict:
 
 
 def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> list[Candidate]:
-    """Re-measure the leading candidates at their own batch (one fake step each) and keep those that
-    still fit, with their measured peak and throughput, until `top` are verified."""
+    """Re-measure the leading candidates at their own batch (one fake step each; one fake run per
+    class) and keep those that still fit, with their measured peak and throughput, until `top` are
+    verified."""
     from estimation.fake_run import FakeRun
 
-    est = cfg.estimate
-    out = []
-    for c in candidates:
-        if len(out) >= top:
-            break
-        run = FakeRun(_config(cfg, c.knobs, c.local, c.accum, world), world)
-        try:
-            r = run.step(c.local, micro_steps=2 if c.accum > 1 else 1)
-        finally:
-            run.close()
-        fits = _Fits(usable, headroom(est.fragmentation, c.knobs.mode))
-        progress(f"verify {c.knobs.label()} local {c.local} x accum {c.accum}: peak {r.peak_bytes / GIB:.2f} GiB "
-                 f"({'fits' if fits(r.peak_bytes) else 'does not fit'})")
-        if not fits(r.peak_bytes):
-            continue
-        a = assumptions(est, hw, world, attention)
-        p = predict(r.work, dataclasses.replace(a, launch_us=0.0) if c.cuda_graphs else a, c.accum,
-                    c.local * c.accum * world * cfg.training.seq_len,
-                    get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size).flops_per_token(
-                        cfg.training.seq_len), world)
-        c.peak_bytes, c.verified = r.peak_bytes, True
-        c.tokens_per_sec_per_gpu, c.mfu_pct = p["overlap"]["tokens_per_sec_per_gpu"], p["overlap"]["mfu_pct"]
-        c.dominant = p["dominant"]
-        out.append(c)
+    est, seq = cfg.estimate, cfg.training.seq_len
+    flops_per_token = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size).flops_per_token(seq)
+    out, pending = [], list(candidates)
+    while pending and len(out) < top:
+        batch = pending[:top - len(out)]  # the next best, verified class by class
+        pending = pending[len(batch):]
+        for knobs in dict.fromkeys(c.knobs for c in batch):
+            group = [c for c in batch if c.knobs == knobs]
+            run = FakeRun(_config(cfg, knobs, group[0].local, group[0].accum, world), world)
+            try:
+                measured = [(c, run.step(c.local, micro_steps=2 if c.accum > 1 else 1)) for c in group]
+            finally:
+                run.close()
+            fits = _Fits(usable, headroom(est.fragmentation, knobs.mode))
+            a = assumptions(est, hw, world, attention)
+            for c, r in measured:
+                ok = fits(r.peak_bytes)
+                progress(f"verify {knobs.label()} local {c.local} x accum {c.accum}: peak {r.peak_bytes / GIB:.2f} GiB "
+                         f"({'fits' if ok else 'does not fit'})")
+                if not ok:
+                    continue
+                p = predict(r.work, dataclasses.replace(a, launch_us=0.0) if c.cuda_graphs else a, c.accum,
+                            c.local * c.accum * world * seq, flops_per_token, world)
+                c.peak_bytes, c.verified, c.dominant = r.peak_bytes, True, p["dominant"]
+                c.tokens_per_sec_per_gpu, c.mfu_pct = p["overlap"]["tokens_per_sec_per_gpu"], p["overlap"]["mfu_pct"]
+                out.append(c)
     out.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
-    return out
+    return out[:top]
 
 
 def format_table(r: dict) -> str:
