@@ -36,8 +36,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, inv_n: floa
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b for low-precision a, b. On CUDA one GEMM with an fp32 output adds into acc
-    (each chunk's product is not rounded to bf16 first, and the separate add, 1.1 ms a step at the
-    1.36B shapes on an H100, goes); elsewhere the product, then the add."""
+    (each chunk's product is not rounded to bf16 first, and the separate add, one more read and write
+    of the fp32 accumulator per chunk, goes); elsewhere the product, then the add."""
     if acc.is_cuda and a.dtype != acc.dtype:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
