@@ -5,9 +5,10 @@
     python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: ddp at local batch 24 (B200 config), fsdp at 8
     python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
 
-Each measured case is the real trainer (synthetic data, a few steps) in a subprocess of its own (so an
-out-of-memory probe cannot disturb the next); its peak is torch.cuda.max_memory_allocated from the
-run log, its tokens/s the run log's steady-state mean. The predictions run at the same time in a
+Each measured case is the real trainer (synthetic data, 8 steps) started through benchmarks/launch.py:
+the one-GPU cases one after another in one worker process, each OOM probe and multi-GPU case in a
+process of its own. Its peak is torch.cuda.max_memory_allocated from the run log, its tokens/s the
+launcher's steady-state mean (log steps after step 4). The predictions run at the same time in a
 CPU process pool (estimation.estimate on fake tensors, the GPU picked from the device name), as
 does the recommendation for the target batch (estimation.recommend), whose top pick is then run
 as one more case. A torch.profiler window over the profiled cases sorts kernel time into the
@@ -21,27 +22,27 @@ New cases start only while --budget-s has time left; what finished is written ei
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as futures
 import datetime
 import glob
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 
 H100_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_h100.toml")
 B200_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_b200.toml")
 QWEN_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_b200.toml")
-RUN = ["--training.steps", "8", "--metrics.log_freq", "4", "--validation.enable=false", "--checkpoint.enable=false",
-       "--metrics.progress_bar=false", "--training.dataset", "synthetic", "--data.num_workers", "0",
-       "--compile.enable"]
+RUN = ["--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false",
+       "--training.dataset", "synthetic", "--data.num_workers", "0", "--compile.enable"]
+STEPS, LOG_FREQ, SKIP = 8, 4, 4  # steady state: the log steps after step 4 (compile falls before it)
 
 # name -> (GPUs, config file, overrides). One-GPU cases run in this order (the first is profiled too).
 CASES = {
@@ -93,34 +94,22 @@ def base_args(config: str, overrides: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def measure(ranks: int, args: list[str], timeout: float, extra: list[str] = ()) -> dict:
-    """Run the trainer; its summary, or why it failed ("oom" or the last error line)."""
-    with tempfile.TemporaryDirectory() as out:
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-                    if ranks > 1 else [sys.executable])
-        cmd = [*launcher, "-m", "titanlite.train", *args, *extra, "--job.dump_folder", out]
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(30.0, timeout))
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        text = (p.stderr + p.stdout).lower()
-        if p.returncode != 0:
-            if "out of memory" in text:
-                return {"error": "oom", "wall_s": round(time.time() - t0, 1)}
-            return {"error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-        return summary_of(out, ranks, t0)
+def measure(name: str, ranks: int, args: list[str], timeout: float, extra: list[str] = (), steps: int = STEPS,
+            log_freq: int = LOG_FREQ, skip: int = SKIP) -> dict:
+    """One trainer run through the launcher; its figures, or why it failed ("oom" or the error line)."""
+    r = launch.titanlite(name, [*args, *extra], ngpus=ranks, steps=steps, log_freq=log_freq,
+                         timeout=int(max(30.0, timeout)), base=[])
+    if r.error is not None:
+        return {"error": "oom" if "out of memory" in r.output.lower() else r.error, "wall_s": round(r.wall_s, 1)}
+    return figures_of(r.entries, str(launch.WORK / name), r.wall_s, skip)
 
 
-def summary_of(out: str, ranks: int, t0: float) -> dict:
-    """The measured figures from a run's log in `out`: peak allocated, steady tokens/s per GPU, profile."""
-    logs = glob.glob(os.path.join(out, "run_*.json"))
-    if not logs:
-        return {"error": "no run log"}
-    s = json.load(open(logs[0]))["summary"]
-    res = {"peak_gib": s.get("peak_memory_gb"), "tokens_per_sec_per_gpu": s.get("tokens_per_sec") / ranks
-           if s.get("tokens_per_sec") else None, "mfu_pct": s.get("mfu_pct"), "wall_s": round(time.time() - t0, 1)}
-    traces = glob.glob(os.path.join(out, "profile_traces", "step*-*", "rank0.json"))
+def figures_of(entries: list[dict], folder: str, wall_s: float, skip: int = SKIP) -> dict:
+    """Peak allocated and steady tokens/s per GPU by the launcher's one rule, and the profile if any."""
+    f = launch.figures(entries, skip)
+    res = {"peak_gib": f.get("mem"), "tokens_per_sec_per_gpu": f.get("tps_gpu"), "mfu_pct": f.get("mfu"),
+           "steady_log_steps": f.get("steps"), "wall_s": round(wall_s, 1)}
+    traces = glob.glob(os.path.join(folder, "profile_traces", "step*-*", "rank0.json"))
     if traces:  # the window's folder is named step<first>-<last>
         first, last = os.path.basename(os.path.dirname(traces[0]))[4:].split("-")
         res["profile_ms_per_step"] = kernel_breakdown(traces[0], int(last) - int(first) + 1)
@@ -140,14 +129,17 @@ def worker(names: list[str], profiled: list[str], results_file: str) -> None:
     for n in names:
         _, config, ov = CASES[n]
         extra = PROFILE if n in profiled else []
-        with tempfile.TemporaryDirectory() as out:
-            t0 = time.time()
-            try:
-                train.main(base_args(config, ov) + extra + ["--job.dump_folder", out])
-                done[n] = summary_of(out, 1, t0)
-            except BaseException as e:  # noqa: BLE001 (a case that fails is recorded; the next one runs)
-                oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-                done[n] = {"error": "oom" if oom else f"{type(e).__name__}: {e}"[:300]}
+        folder = str(launch.WORK / n)
+        t0 = time.time()
+        try:
+            train.main(base_args(config, ov) + extra + ["--training.steps", str(STEPS), "--metrics.log_freq",
+                                                        str(LOG_FREQ), "--job.dump_folder", folder])
+            logs = sorted(glob.glob(os.path.join(folder, "run_*.json")), key=os.path.getmtime)
+            entries = json.load(open(logs[-1]))["training_iterations"] if logs else []
+            done[n] = figures_of(entries, folder, time.time() - t0)
+        except BaseException as e:  # noqa: BLE001 (a case that fails is recorded; the next one runs)
+            oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+            done[n] = {"error": "oom" if oom else f"{type(e).__name__}: {e}"[:300]}
         gc.collect()
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -157,16 +149,19 @@ def worker(names: list[str], profiled: list[str], results_file: str) -> None:
 
 
 def measure_in_one_process(names: list[str], profiled: list[str], budget_end: float) -> dict:
-    """The worker above in a subprocess; what it finished before the budget ran out."""
-    with tempfile.TemporaryDirectory() as tmp:
-        results = os.path.join(tmp, "results.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(names), "--profile", ",".join(profiled),
-               "--results-file", results]
-        try:
-            subprocess.run(cmd, cwd=ROOT, timeout=max(30.0, budget_end - time.time()), stdout=sys.stderr)
-        except subprocess.TimeoutExpired:
-            log("one-GPU cases: budget spent, keeping the finished ones")
-        return json.load(open(results)) if os.path.exists(results) else {}
+    """The worker above, started through the launcher (its own process group, killed at the budget);
+    what it finished in time."""
+    results = str(launch.WORK / "estimation_gpu_worker.json")
+    if os.path.exists(results):
+        os.remove(results)
+    cmd = launch.command(1, [os.path.abspath(__file__), "--worker", ",".join(names), "--profile", ",".join(profiled),
+                             "--results-file", results])
+    rc, text, _ = launch.execute("estimation_gpu_worker", cmd, int(max(30.0, budget_end - time.time())))
+    if rc is None:
+        log("one-GPU cases: budget spent, keeping the finished ones")
+    elif rc != 0:
+        log(f"one-GPU worker: {launch.error_line(text, rc)}")
+    return json.load(open(results)) if os.path.exists(results) else {}
 
 
 def kernel_breakdown(trace: str, steps: int) -> dict:
@@ -192,8 +187,8 @@ def oom_boundary(guess: int, budget_end: float, limit: int = 96) -> dict:
     probes = {}
 
     def ok(b):
-        r = measure(1, base_args(H100_CFG, ["--training.local_batch_size", str(b), "--training.steps", "2",
-                                            "--metrics.log_freq", "1"]), budget_end - time.time())
+        r = measure(f"oom_b{b}", 1, base_args(H100_CFG, ["--training.local_batch_size", str(b)]),
+                    budget_end - time.time(), steps=2, log_freq=1)
         probes[b] = r.get("error") or r["peak_gib"]
         log(f"oom search: local batch {b}: {probes[b]}")
         if "error" in r and r["error"] != "oom":
@@ -282,7 +277,7 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = launch.Parser(__doc__)
     ap.add_argument("--gpus", type=int, default=1, help="1: the one-GPU cases; 2: the two-GPU cases")
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--no-oom-search", action="store_true")
@@ -291,16 +286,15 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=550.0,
                     help="seconds for the whole call: no case starts after them, and waits end 30 s later")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run these one-GPU cases in this process
-    ap.add_argument("--profile", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--results-file", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help="(internal) run these one-GPU cases in this process")
+    ap.add_argument("--profile", default="", help="(internal) the worker's profiled cases")
+    ap.add_argument("--results-file", help="(internal) where the worker writes its figures")
     opts = ap.parse_args()
     if opts.worker:
         return worker(opts.worker.split(","), [n for n in opts.profile.split(",") if n], opts.results_file)
     t_end = time.time() + opts.budget_s
     os.makedirs(opts.out, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "titanlite_inductor_cache"))
-    os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # as run_train.sh
     import torch
 
     hw, ngpu = hardware_key(), torch.cuda.device_count()
@@ -334,7 +328,7 @@ def main() -> None:
             if time.time() > t_end:
                 break
             ranks, config, ov = CASES[n]
-            measured[n] = measure(ranks, base_args(config, ov), t_end + 30 - time.time(),
+            measured[n] = measure(n, ranks, base_args(config, ov), t_end + 30 - time.time(),
                                   PROFILE if n in profiled else [])
     for n in names:
         if n not in measured:
@@ -359,7 +353,9 @@ def main() -> None:
     if rec is not None and time.time() < t_end:
         try:
             pick = rec.result(timeout=max(1.0, t_end - time.time()))
-            m = measure(1, ["--job.config_file", pick["toml"], *RUN], t_end + 30 - time.time())
+            # a pick with CUDA graphs is captured after 4 eager steps and timed after step 8
+            m = measure("recommended", 1, ["--job.config_file", pick["toml"], *RUN, "--training.cuda_graphs_warmup",
+                                           "4"], t_end + 30 - time.time(), steps=12, skip=8)
             results["cases"]["recommended"] = {"ranks": 1, "config": pick["toml"], "overrides": [], "measured": m,
                                                "predicted": {k: pick[k] for k in ("peak_gib", "tokens_per_sec_per_gpu",
                                                                                  "mfu_pct")}, "pick": pick}
