@@ -12,8 +12,8 @@ Inside a graph the tracker counts what Inductor materialises, not every eager in
 (`materialized`): element-wise ops and views fuse into the kernel of their consumer, so only the
 outputs of kernels that cannot fuse (matmuls, attention, other library calls), the inputs those
 read, reduction results and the graph's outputs (saved tensors included) take memory. The same
-grouping gives the throughput model each fused kernel's traffic: what it reads of materialised
-tensors plus what it writes.
+grouping gives the throughput model the generated kernels' traffic: what they write, and each
+materialised tensor they read, once per pass over it (`_fused_kernels`).
 """
 
 from __future__ import annotations
@@ -104,10 +104,21 @@ def _hint(n) -> int:
     return n if isinstance(n, int) else int(n.node.hint) if hasattr(n, "node") else int(n)
 
 
+GLOBAL_REDUCTION = 1024  # a reduction to at most this many values (a float8 scale's amax) ends a pass
+
+
 def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
-    """Each materialised fused/reduction node is one generated kernel: it writes its output and reads
-    the materialised tensors its inlined cone reaches."""
+    """The generated kernels of one graph: each materialised element-wise or reduction node is one
+    kernel that writes its output and reads the materialised tensors its inlined cone reaches.
+
+    Kernels that read the same tensor fuse into one pass over it (Inductor fuses consumers that share
+    a loop: a saved activation read by several backward expressions, a row-wise norm and its
+    epilogue), unless one has to wait for a library call or a tensor-wide reduction that depends on
+    the other (a float8 cast after its amax): each such wait starts a new pass, which reads again.
+    """
     cost = GraphCost()
+    level: dict[fx.Node, int] = {}  # passes that must finish before this node's value exists
+    reads: set[tuple[fx.Node, int]] = set()
 
     def leaves(node, seen):
         for a in node.all_input_nodes:
@@ -124,13 +135,21 @@ def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
         vals = v if isinstance(v, (list, tuple)) else [v]
         return sum(_hint(t.numel()) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
 
+    def ends_pass(node):
+        return kind(node) == "extern" or (kind(node) == "reduction" and nbytes(node) <= 4 * GLOBAL_REDUCTION)
+
     for node in graph.nodes:
-        if node.op != "call_function" or node not in mat or kind(node) == "extern":
+        if node.op != "call_function" or node not in mat:
             continue
-        if getattr(node.target, "is_view", False):
+        ins = list(leaves(node, set()))
+        level[node] = max((level.get(a, 0) + (1 if a.op == "call_function" and ends_pass(a) else 0) for a in ins),
+                          default=0)
+        if kind(node) == "extern" or getattr(node.target, "is_view", False):
             continue
         cost.kernels += 1
-        cost.kernel_bytes += nbytes(node) + sum(nbytes(a) for a in leaves(node, set()))
+        cost.kernel_bytes += nbytes(node)
+        reads.update((a, level[node]) for a in ins)
+    cost.kernel_bytes += sum(nbytes(a) for a, _ in reads)
     return cost
 
 

@@ -59,8 +59,10 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 @contextlib.contextmanager
 def cuda_like_kernels():
-    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors. Code that
-    torch.compile traces keeps the real op: Inductor decides what it saves."""
+    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors or do different
+    work: the fused RMSNorm (code that torch.compile traces keeps the real op: Inductor decides what
+    it saves), and the chunked loss's fp32-output GEMM into the weight-gradient accumulator (on the
+    CPU a product, then an add)."""
     orig = F.rms_norm
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
@@ -70,11 +72,16 @@ def cuda_like_kernels():
             weight = torch.ones(normalized_shape, device=x.device)
         return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
 
-    F.rms_norm = rms_norm
+    import titanlite.ops.loss as loss
+
+    def accumulate_mm(acc, a, b):  # CUDA's path: one GEMM adding into the fp32 accumulator
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+    F.rms_norm, orig_acc, loss._accumulate_mm = rms_norm, loss._accumulate_mm, accumulate_mm
     try:
         yield
     finally:
-        F.rms_norm = orig
+        F.rms_norm, loss._accumulate_mm = orig, orig_acc
 
 
 @contextlib.contextmanager

@@ -204,11 +204,14 @@ def recommend(cfg, progress=_progress) -> dict:
                 work = {ph: _interp(r1.work[ph], r2.work[ph], b) for ph in r2.work if ph in r1.work}
             if not fits(peak):
                 continue
-            # CUDA graphs wherever the mode allows them: a captured step launches no kernels from the host,
-            # so in this model it is never slower
-            p = predict(work, dataclasses.replace(a, launch_us=0.0) if graphs_ok else a, accum,
-                        b * accum * world * seq, flops_per_token, world)["overlap"]
-            candidates.append(Candidate(knobs, b, accum, graphs_ok, peak, p["tokens_per_sec_per_gpu"], p["mfu_pct"], ""))
+            tokens = b * accum * world * seq
+            p = predict(work, a, accum, tokens, flops_per_token, world)["overlap"]
+            graphs = False
+            if graphs_ok:  # a captured step launches no kernels from the host: worth it only where that binds
+                g = predict(work, dataclasses.replace(a, launch_us=0.0), accum, tokens, flops_per_token, world)["overlap"]
+                graphs = g["tokens_per_sec_per_gpu"] > 1.01 * p["tokens_per_sec_per_gpu"]
+                p = g if graphs else p
+            candidates.append(Candidate(knobs, b, accum, graphs, peak, p["tokens_per_sec_per_gpu"], p["mfu_pct"], ""))
     if not candidates:
         raise ConfigError(f"{cfg.model.name}/{cfg.model.flavor} fits no configuration on {world} x {est.hardware} at "
                           f"seq_len {seq}, even at local batch 1 with full activation checkpointing; use more GPUs "

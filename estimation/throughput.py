@@ -7,6 +7,7 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
   elementwise  eager ops' bytes read + written / (HBM x elementwise_efficiency), plus compiled
                graphs' generated kernels' bytes / (HBM x fused_efficiency)
   optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
+  gaps         kernels x gap_us, the GPU's idle time between dependent kernels
 and never less than the host's launch time (kernels x launch_us). Collectives cost ring traffic /
 (link bandwidth x link_efficiency). Without overlap a step is compute + communication; with overlap
 the collectives hide behind forward/backward compute except the first all-gather and the last
@@ -28,8 +29,8 @@ from estimation.hardware import GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
-         "optimizer_efficiency", "link_efficiency", "launch_us")
-TERMS = ("gemm", "attention", "elementwise", "optimizer", "launch")
+         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
+TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Assumptions:
     optimizer_efficiency: float
     link_efficiency: float
     launch_us: float
+    gap_us: float = 0.0
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
 
 
@@ -84,6 +86,7 @@ def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
         "elementwise": (0.0 if optimizer else memory) + w.fused_bytes / (hbm * a.fused_efficiency),
         "optimizer": memory if optimizer else 0.0,
     }
+    t["gaps"] = w.ops * a.gap_us * 1e-6  # the GPU idles between dependent kernels
     t["launch"] = max(0.0, w.ops * a.launch_us * 1e-6 - sum(t.values()))  # only what the GPU cannot hide
     comms = [moved / (a.link_gbps * 1e9 * a.link_efficiency) for _, moved, n in w.collectives if n > 1]
     t["comm"] = sum(comms)

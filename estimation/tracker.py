@@ -27,6 +27,8 @@ ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
 MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+if hasattr(aten.addmm, "dtype_out"):  # addmm(acc, a, b, out_dtype=, out=acc): a GEMM adding into an fp32 output
+    MATMULS[aten.addmm.dtype_out] = "addmm"
 # c10d op -> (ring traffic factor on the buffer, index of the buffer arg whose bytes count)
 COLLECTIVES = {
     "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
@@ -252,7 +254,7 @@ class StepTracker(TorchDispatchMode):
     def _work(self, func, name: str, args, kwargs, outs) -> None:
         w = self.work[self.phase]
         if func in MATMULS:
-            a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
+            a, b = (args[1], args[2]) if MATMULS[func] == "addmm" else (args[0], args[1])
             w.matmul_flops += 2 * a.numel() * b.shape[-1]
         elif name == "_scaled_mm":
             w.float8_flops += 2 * args[0].numel() * args[1].shape[-1]

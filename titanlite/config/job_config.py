@@ -227,6 +227,7 @@ class Estimate:
                                            "(0 = calibrated)", min=0.0, max=1.0)
     link_efficiency: float = doc(0.0, "achieved fraction of link bandwidth in collectives (0 = calibrated)",
                                  min=0.0, max=1.0)
+    gap_us: float = doc(0.0, "GPU idle time between kernels, per kernel, in microseconds (0 = calibrated)", min=0.0)
     launch_us: float = doc(0.0, "host time per kernel launch in microseconds (0 = calibrated)", min=0.0)
     recommend: bool = doc(False, "search local batch x accumulation, activation checkpointing, data-parallel mode, "
                                  "float8, bf16 parameters / moments and CUDA graphs for the target global batch; "
