@@ -202,10 +202,11 @@ def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_f
 # ------------------------------------------------------------------------------- the steady-state rule
 def steady(entries: list[dict], skip: int) -> list[dict]:
     """Log entries of the steady state: those after step `skip` (compilation, warm-up and CUDA-graph
-    capture fall before it); if none, every entry after the first, which holds start-up.
-    The same rule reads titanlite's run log and torchtitan's step lines."""
-    # titanlite.metrics.run_log will hold the project's one steady-state rule; this function then calls it.
-    return [e for e in entries if e["iter"] > skip] or entries[1:] or entries
+    capture fall before it), by the project's one rule (titanlite.metrics.run_log.steady), which reads
+    titanlite's run log and torchtitan's step lines alike."""
+    from titanlite.metrics.run_log import steady as rule
+
+    return rule(entries, warmup_steps=skip).entries
 
 
 def figures(entries: list[dict], skip: int) -> dict:

@@ -40,10 +40,8 @@ LAST = 50  # the table's window: mean loss over the last this-many steps
 SEQ, BATCH = 2048, 4
 
 DIFFERENCES = [
-    "init: torchtitan draws the input embedding from N(0, 1), titanlite from N(0, 0.02); torchtitan scales "
-    "the std of each block's wo, w2 and w3 by its depth (0.02 / sqrt(2 (layer + 1))), titanlite that of wo "
-    "and w2 by the model's (0.02 / sqrt(2 n_layers)) with w3 at 0.02; torchtitan truncates at +-2 absolute, "
-    "titanlite at 3 std",
+    "init: both draw the same scheme (titanlite's --model.init per_layer), but from their own random "
+    "streams, and torchtitan truncates at +-2 absolute where titanlite truncates at 3 std",
     "RoPE: torchtitan's llama3 applies Llama 3.1 frequency scaling (factor 8, original length 8192) to theta "
     "10000; titanlite rotates with plain theta 10000",
     "weight decay: torchtitan decays every parameter, titanlite matrices only (not norm weights)",
@@ -105,7 +103,7 @@ def prepare(work: Path, assets: Path = ASSETS) -> tuple[Path, dict]:
 
 # ------------------------------------------------------------------------------------------- the runs
 def titanlite_options(prepared: Path, steps: int, warmup: int, lr: float) -> list[str]:
-    return ["--model.name", "llama", "--model.flavor", "1.36B", "--model.vocab_size", "32000",
+    return ["--model.name", "llama", "--model.flavor", "1.36B", "--model.vocab_size", "32000", "--model.init", "per_layer",
             "--training.dataset", "prepared", "--training.dataset_path", str(prepared), "--data.shuffle=false",
             "--training.local_batch_size", str(BATCH), "--training.seq_len", str(SEQ), "--training.max_norm", "1.0",
             "--training.seed", "42", "--optimizer.lr", str(lr), "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",

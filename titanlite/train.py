@@ -118,14 +118,15 @@ class Trainer:
         self.model_args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         if self.model_args.vocab_size < self.data.vocab_size:
             raise ConfigError(f"model.vocab_size ({self.model_args.vocab_size}) is smaller than the dataset's "
-                              f"vocabulary ({self.data.vocab_size})")
+                              f"vocabulary ({self.data.vocab_size}); set model.vocab_size to {self.data.vocab_size} "
+                              f"or more")
         self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
 
         # Build on meta (no memory); parallelize applies float8 -> AC -> compile, materialises and
         # initialises the full weights identically on every rank, then wraps for data parallelism.
         with torch.device("meta"):
             model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len,
-                                cfg.training.loss_chunk_tokens)
+                                cfg.training.loss_chunk_tokens, cfg.model.init)
         self.model = model = parallelize(model, cfg, self.dims)
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)

@@ -49,10 +49,10 @@ def entries(*iters, tps=1000.0, mem=10.0):
              "memory_peak_gb": mem + i, "memory_reserved_peak_gb": mem + 2 * i} for i in iters]
 
 
-def test_one_steady_rule_after_skip_else_all_but_the_first():
+def test_benchmarks_use_the_one_steady_rule():
     es = entries(1, 5, 10, 15, 20)
     assert [e["iter"] for e in launch.steady(es, 10)] == [15, 20]
-    assert [e["iter"] for e in launch.steady(es, 30)] == [5, 10, 15, 20]  # nothing after skip: drop start-up
+    assert [e["iter"] for e in launch.steady(es, 30)] == [20]  # nothing after skip: the last entry (run_log.steady)
     assert [e["iter"] for e in launch.steady(es[:1], 30)] == [1]
 
 

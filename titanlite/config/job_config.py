@@ -34,6 +34,10 @@ class Model:
     flavor: str = doc("debug", "size preset of the family (see titanlite.models)")
     attention_backend: str = doc("auto", "attention kernel; auto picks the fastest available and logs which",
                                  registry="titanlite.ops.attention:CHOICES")
+    init: str = doc("scaled", "weight initialisation scheme: scaled (embeddings std 0.02, the blocks' output "
+                              "projections scaled by the model's depth) or per_layer (the Llama reference scheme "
+                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth)",
+                    registry="titanlite.models.transformer:INITS")
     vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
 
 

@@ -17,7 +17,7 @@ from titanlite.config import to_dict, to_toml
 from titanlite.metrics.breakdown import gather_breakdown, rank_breakdown
 from titanlite.metrics.console import Console
 from titanlite.metrics.nvml import GpuMonitor
-from titanlite.metrics.run_log import RunLog
+from titanlite.metrics.run_log import RunLog, summarize
 from titanlite.metrics.tensorboard import TensorBoard
 from titanlite.models.args import FLOPS_CONVENTION, mfu_pct
 
@@ -142,16 +142,9 @@ class Reporter:
         return summary
 
     def summary(self, steps: int, val_loss: float | None) -> dict:
-        it = self.run_log.data["training_iterations"] if self.run_log else []
-        steady = it[1:] or it  # the first entry holds start-up and compilation
-        out = {"steps": steps, "final_loss": round(it[-1]["loss"], 4) if it else None,
-               "val_loss": round(val_loss, 4) if val_loss is not None else None}
-        if steady:
-            out["tokens_per_sec"] = round(sum(e["tokens_per_sec"] for e in steady) / len(steady))
-            if steady[-1]["mfu"] is not None:
-                out["mfu_pct"] = round(sum(e["mfu"] for e in steady) / len(steady), 2)
-            out["peak_memory_gb"] = max(e["memory_peak_gb"] for e in it)
-        return out
+        log = self.run_log.data if self.run_log else {"training_iterations": [], "startup_info": {"config": {}}}
+        out = {"steps": steps, **summarize(log["training_iterations"], log["startup_info"]["config"])}
+        return out | ({"val_loss": round(val_loss, 4)} if val_loss is not None else {})
 
     def close(self) -> None:
         self.console.close()
