@@ -220,6 +220,14 @@ def capture_compile():
     from torch._dynamo.utils import get_optimize_ddp_mode
     from torch.nn.parallel import DistributedDataParallel
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titanlite.config import ConfigError
+
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):  # torch.compile would skip every frame
+        raise ConfigError(f"estimating compile.enable needs a torch whose dispatch modes can sit out compilation "
+                          f"(TorchDispatchMode.ignore_compile_internals), not {torch.__version__}; use "
+                          f"--compile.enable=false for the eager estimate")
     orig = cfx.compile_fx
     split_for_ddp = get_optimize_ddp_mode() == "ddp_optimizer"
 
