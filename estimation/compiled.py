@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,7 @@ def kind(node: fx.Node) -> str:
     "extern" (a kernel of its own that reads its inputs from memory)."""
     if node.op != "call_function":
         return "fused"  # getitem of a multi-output op: the op's outputs are what counts
-    if node.target is __import__("operator").getitem:
+    if node.target is operator.getitem:
         return "fused"
     name = _name(node)
     tags = getattr(node.target, "tags", ())
@@ -67,7 +68,7 @@ def kind(node: fx.Node) -> str:
 def _base(node: fx.Node) -> fx.Node:
     """Walk back through views and getitems to the node whose buffer a tensor lives in."""
     while node.op == "call_function" and (getattr(node.target, "is_view", False) or
-                                         node.target is __import__("operator").getitem) and node.args and \
+                                         node.target is operator.getitem) and node.args and \
             isinstance(node.args[0], fx.Node) and kind(node.args[0]) == "fused":
         node = node.args[0]
     return node
