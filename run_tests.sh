@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Install titanlite with its dev extras (if needed) and run the test suite: ./run_tests.sh [pytest args]
+# Install what is missing (titanlite's dependencies as run_train.sh installs them, torch first, then the
+# dev extras) and run the test suite: ./run_tests.sh [pytest args]
 set -eu
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import titanlite, pytest, transformers, matplotlib" >/dev/null 2>&1; then
-  "$PY" -m pip install -q -e ".[dev]"
+PYTHON="$PY" TITANLITE_INSTALL=only ./run_train.sh
+if ! "$PY" -m titanlite.tools.missing_deps pyproject.toml dev >/dev/null; then
+  "$PY" -m pip install -e ".[dev]"
 fi
 exec "$PY" -m pytest -q "$@"

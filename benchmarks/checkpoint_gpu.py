@@ -7,50 +7,37 @@
 2. Resume: a run saving at step 5 is resumed from it; the first 5 steps after the resume must give
    the uninterrupted run's losses. A second uninterrupted run shows how far two identical GPU runs
    drift apart by themselves (nondeterministic kernels), the yardstick for "equal" here.
-Each run is the real `torchrun -m titanlite.train` command on synthetic data (no tokenizer, no
-torchdata needed). A checkpoint of 1.36B with AdamW state is about 15.5 GB; keep_latest_k bounds the
+Each run is the real `python -m titanlite.train` (torchrun over several GPUs) through
+benchmarks/launch.py, on synthetic data (no tokenizer, no torchdata needed). A checkpoint of 1.36B with AdamW state is about 15.5 GB; keep_latest_k bounds the
 disk use to two of them. Prints a table; exit code 1 if the resume check fails.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 
 
-def train(folder: Path, ngpu: int, local_batch: int, *extra: str, must: bool = True) -> tuple[str, list[dict] | None]:
-    """One training run; a failure stops the benchmark if `must`, else returns (output, None)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
-           "-m", "titanlite.train", "--model.name", "llama", "--model.flavor", "1.36B",
-           "--training.dataset", "synthetic", "--training.seq_len", "2048",
-           "--training.local_batch_size", str(local_batch), "--lr_scheduler.warmup_steps", "2",
-           "--validation.enable=false", "--metrics.log_freq", "1", "--metrics.progress_bar=false",
-           "--parallelism.data_parallel", "fsdp", "--job.dump_folder", str(folder), "--checkpoint.enable", *extra]
-    t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    out = r.stdout + r.stderr
-    if r.returncode != 0:
-        msg = f"run failed ({' '.join(extra)}):\n{out[-4000:]}"
+def train(root: Path, name: str, ngpu: int, local_batch: int, steps: int, *extra: str,
+          must: bool = True) -> tuple[str, list[dict] | None]:
+    """One training run in ROOT/NAME (checkpoints there too); a failure stops the benchmark if `must`,
+    else returns (output, None)."""
+    base = [*launch.PEER_SHAPES, "--training.local_batch_size", str(local_batch), "--lr_scheduler.warmup_steps", "2",
+            "--parallelism.data_parallel", "fsdp", "--checkpoint.enable"]
+    r = launch.titanlite(name, list(extra), ngpu, steps, 1, 900, work=root, base=base)
+    if r.error:
+        msg = f"run failed ({' '.join(extra)}): {r.error}\n" + "\n".join(r.output.splitlines()[-40:])
         if must:
             sys.exit(msg)
         print(msg, flush=True)
-        return out, None
-    log = sorted(folder.glob("run_*[0-9].json"))[-1]
-    print(f"  run {' '.join(extra)}: {time.time() - t0:.0f} s", flush=True)
-    return out, json.loads(log.read_text())["training_iterations"]
-
-
-def losses(entries: list[dict]) -> dict[int, float]:
-    return {e["iter"] - len(e["step_losses"]) + 1 + i: v for e in entries for i, v in enumerate(e["step_losses"])}
+        return r.output, None
+    return r.output, r.entries
 
 
 def blocked(out: str) -> dict[int, float]:
@@ -64,7 +51,7 @@ def blocked(out: str) -> dict[int, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = launch.Parser(__doc__)
     p.add_argument("--ngpu", type=int, default=0, help="GPUs (default: all visible)")
     p.add_argument("--folder", default="/tmp/titanlite_ckbench")
     p.add_argument("--local-batch", type=int, default=4)
@@ -81,14 +68,14 @@ def main() -> None:
           f"torch {torch.__version__}", flush=True)
 
     # Resume check, and the blocking time of a synchronous save (step 5).
-    ref_out, ref = train(root / "resume", ngpu, a.local_batch, "--training.steps", "10",
-                         "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2")
-    _, resumed = train(root / "resume", ngpu, a.local_batch, "--training.steps", "10",
-                       "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2", "--checkpoint.load_step", "5")
+    ref_out, ref = train(root, "resume", ngpu, a.local_batch, 10, "--checkpoint.interval", "5",
+                         "--checkpoint.keep_latest_k", "2")
+    _, resumed = train(root, "resume", ngpu, a.local_batch, 10, "--checkpoint.interval", "5",
+                       "--checkpoint.keep_latest_k", "2", "--checkpoint.load_step", "5")
     # The same 10 steps once more, uninterrupted and without checkpoints: how far two identical GPU
     # runs drift apart by themselves (nondeterministic kernels), the yardstick for the resume.
-    _, again = train(root / "again", ngpu, a.local_batch, "--training.steps", "10", "--checkpoint.enable=false")
-    expected, got, rerun = losses(ref), losses(resumed), losses(again)
+    _, again = train(root, "again", ngpu, a.local_batch, 10, "--checkpoint.enable=false")
+    expected, got, rerun = (launch.step_losses(x) for x in (ref, resumed, again))
     steps = list(range(6, 11))
     diffs = [abs(got[s] - expected[s]) for s in steps]
     noise = [abs(rerun[s] - expected[s]) for s in steps]
@@ -98,7 +85,7 @@ def main() -> None:
     shutil.rmtree(root / "again", ignore_errors=True)
 
     for mode in [m for m in ("async", "async_with_pinned_mem") if m not in a.skip_modes.split(",")]:
-        out, it = train(root / mode, ngpu, a.local_batch, "--training.steps", "7", "--checkpoint.interval", "3",
+        out, it = train(root, mode, ngpu, a.local_batch, 7, "--checkpoint.interval", "3",
                         "--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", mode, must=False)
         if it is None:
             errors = [ln.strip() for ln in out.splitlines() if "Error" in ln]

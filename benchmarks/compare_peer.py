@@ -1,13 +1,17 @@
-"""titanlite vs the peer (torchtitan 0.2.2) on identical shapes, in one device call.
+"""titanlite against torchtitan (the PyTorch reference trainer, "the peer") on identical shapes, in one call.
 
-Runs each titanlite configuration of a suite as its own process (a failure is a table row, not a
-crash), runs the peer from its published wheel (../shared/bench/torchtitan_anchor, carried as .bench)
-when asked, and prints one table: tokens/s per GPU, MFU, peak memory, titanlite / peer.
+Each titanlite configuration of the chosen suites and each torchtitan version asked for runs as its
+own process through benchmarks/launch.py (a failure is a table row with the line that says why), at
+torchtitan's shapes: LLaMA 1.36B, local batch 4, seq 2048, bf16, compile. One table: tokens/s per
+GPU, MFU, peak memory, and every titanlite row's ratio to every torchtitan version run beside it (the
+same data-parallel mode at the same world size). Only ratios from one call count: the machines drift.
 
-  python benchmarks/compare_peer.py --suite h100 --peer          # on 1 GPU
-  python benchmarks/compare_peer.py --suite scaling --ngpus 1,2,4 --peer
-  python benchmarks/compare_peer.py --only compile --extra="--training.cuda_graphs"   # A/B one knob
-Steady state = log steps after --skip (compile and warm-up excluded), averaged.
+  python benchmarks/compare_peer.py --suite single --peer                   # 1 GPU; torchtitan 0.2.2 and 0.3.0
+  python benchmarks/compare_peer.py --only compile --peers 0.2.2 --extra="--model.attention_backend flash_attn_4"
+  python benchmarks/compare_peer.py --suite scaling,knobs --ngpus 4 --peer  # several GPUs of one host
+--extra adds, beside each configuration, its variant with those options (rows "NAME +EXTRA"): an A/B
+of one knob in the same call; give it once per variant. Steady state: launch.steady (log steps after
+--skip). Writes compare_peer.md (the table) and compare_peer.json (every run) to --out.
 """
 
 from __future__ import annotations
@@ -16,205 +20,165 @@ import argparse
 import os
 import re
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_parallel import figures, launch  # noqa: E402  (one launcher and one steady-state rule for both)
-# On top of gpu_parallel.MODEL (which pins local batch 4 and in-process data; the suites override the batch).
-SHAPES = ["--data.num_workers", "2", "--checkpoint.enable=false"]
+import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 
-# name -> extra titanlite arguments (on top of SHAPES). Local batch 4 = the peer's shapes.
-SUITES = {
-    "h100": {
-        "eager": ["--training.local_batch_size", "4", "--compile.enable=false"],
-        "compile": ["--training.local_batch_size", "4", "--compile.enable"],
-        "compile autocast": ["--training.local_batch_size", "4", "--compile.enable", "--training.bf16_params=false"],
-        "compile accum8": ["--training.local_batch_size", "4", "--training.global_batch_size", "32", "--compile.enable"],
-        "compile accum8 autocast": ["--training.local_batch_size", "4", "--training.global_batch_size", "32",
-                                    "--compile.enable", "--training.bf16_params=false"],
-        "compile loss=cross_entropy": ["--training.local_batch_size", "4", "--compile.enable",
-                                       "--training.loss", "cross_entropy"],
-        "compile fuse_clip=false": ["--training.local_batch_size", "4", "--compile.enable",
-                                    "--optimizer.fuse_clip=false"],
-        "compile loss_chunk=4096": ["--training.local_batch_size", "4", "--compile.enable",
-                                    "--training.loss_chunk_tokens", "4096"],
-        "compile loss_chunk=1024": ["--training.local_batch_size", "4", "--compile.enable",
-                                    "--training.loss_chunk_tokens", "1024"],
-        "compile+float8": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable"],
-        "compile+float8 autocast": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable",
-                                    "--training.bf16_params=false"],
-        "compile bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--training.bf16_params"],
-        "compile+float8 bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable",
-                                       "--training.bf16_params"],
-        "compile bf16_moments": ["--training.local_batch_size", "4", "--compile.enable",
-                                 "--optimizer.moments_dtype", "bfloat16"],
-        "compile bf16_params bf16_moments": ["--training.local_batch_size", "4", "--compile.enable",
-                                             "--training.bf16_params", "--optimizer.moments_dtype", "bfloat16"],
-        "compile+float8 bf16_params bf16_moments": ["--training.local_batch_size", "4", "--compile.enable",
-                                                    "--float8.enable", "--training.bf16_params",
-                                                    "--optimizer.moments_dtype", "bfloat16"],
-        "compile+float8 fast_accum": ["--training.local_batch_size", "4", "--compile.enable", "--float8.enable",
-                                      "--float8.backward_fast_accum"],
-        "compile+float8 bf16_params fast_accum": ["--training.local_batch_size", "4", "--compile.enable",
-                                                  "--float8.enable", "--float8.backward_fast_accum",
-                                                  "--training.bf16_params"],
-        "compile+float8 bf16_params bf16_moments fast_accum": ["--training.local_batch_size", "4", "--compile.enable",
-                                                               "--float8.enable", "--float8.backward_fast_accum",
-                                                               "--training.bf16_params", "--optimizer.moments_dtype",
-                                                               "bfloat16"],
-        "compile+cuda_graphs": ["--training.local_batch_size", "4", "--compile.enable", "--training.cuda_graphs"],
-        "compile+cuda_graphs bf16_params": ["--training.local_batch_size", "4", "--compile.enable",
-                                            "--training.cuda_graphs", "--training.bf16_params"],
+COMPILE = ["--compile.enable"]
+BF16_PARAMS = ["--training.bf16_params"]
+BF16_MOMENTS = ["--optimizer.moments_dtype", "bfloat16"]
+FLOAT8 = ["--float8.enable"]
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "1.8B"]
+
+
+def _dp(mode: str, *extra: str) -> list[str]:
+    return [*COMPILE, "--parallelism.data_parallel", mode, *extra]
+
+
+# name -> titanlite options on top of launch.PEER_SHAPES. Earlier experiments live in the git history.
+SUITES: dict[str, dict[str, list[str]]] = {
+    # One GPU: the defaults (eager, and with compile as torchtitan runs) and each opt-in speed knob.
+    "single": {
+        "eager": [],
+        "compile": COMPILE,
+        "compile bf16_params": COMPILE + BF16_PARAMS,
+        "compile bf16_params bf16_moments": COMPILE + BF16_PARAMS + BF16_MOMENTS,
+        "compile cuda_graphs": COMPILE + ["--training.cuda_graphs"],
+        "compile float8": COMPILE + FLOAT8,
+        "compile float8 bf16_params bf16_moments fast_accum": COMPILE + FLOAT8 + BF16_PARAMS + BF16_MOMENTS
+        + ["--float8.backward_fast_accum"],
     },
-    "best": {
-        "compile b4": ["--training.local_batch_size", "4", "--compile.enable"],
-        "compile b8": ["--training.local_batch_size", "8", "--compile.enable"],
-        "compile b8 accum4": ["--training.local_batch_size", "8", "--training.global_batch_size", "32",
-                              "--compile.enable"],
-        "compile b16 accum2": ["--training.local_batch_size", "16", "--training.global_batch_size", "32",
-                               "--compile.enable"],
-        "compile b16 accum2 bf16_params": ["--training.local_batch_size", "16", "--training.global_batch_size", "32",
-                                           "--compile.enable", "--training.bf16_params"],
-        "compile b16 accum2 bf16_params bf16_moments": ["--training.local_batch_size", "16",
-                                                        "--training.global_batch_size", "32", "--compile.enable",
-                                                        "--training.bf16_params", "--optimizer.moments_dtype",
-                                                        "bfloat16"],
+    # Several GPUs: each data-parallel mode at the same per-GPU work (weak scaling).
+    "scaling": {mode: _dp(mode) for mode in ("ddp", "fsdp", "zero1")},
+    # Several GPUs: the opt-in communication knobs.
+    "knobs": {
+        "ddp bf16_params": _dp("ddp", *BF16_PARAMS),
+        "ddp reduce=bf16": _dp("ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"),
+        "fsdp reduce=bf16": _dp("fsdp", "--parallelism.fsdp_reduce_dtype", "bfloat16"),
+        "fsdp copy_engine": _dp("fsdp", "--parallelism.fsdp_copy_engine_all_gather"),
+        "fsdp reshard=never": _dp("fsdp", "--parallelism.fsdp_reshard_after_forward", "never"),
     },
+    # Qwen3 1.8B (GQA 16/8 heads, qk-norm) at the same batch and sequence.
     "qwen3": {
-        "qwen3 1.8B compile b4": ["--model.name", "qwen3", "--model.flavor", "1.8B", "--training.local_batch_size",
-                                  "4", "--compile.enable"],
-        "qwen3 1.8B compile b4 bf16_params": ["--model.name", "qwen3", "--model.flavor", "1.8B",
-                                              "--training.local_batch_size", "4", "--compile.enable",
-                                              "--training.bf16_params"],
-        "qwen3 1.8B compile b4 bf16_params bf16_moments": ["--model.name", "qwen3", "--model.flavor", "1.8B",
-                                                           "--training.local_batch_size", "4", "--compile.enable",
-                                                           "--training.bf16_params", "--optimizer.moments_dtype",
-                                                           "bfloat16"],
-        "qwen3 1.8B compile b8 accum4": ["--model.name", "qwen3", "--model.flavor", "1.8B",
-                                         "--training.local_batch_size", "8", "--training.global_batch_size", "32",
-                                         "--compile.enable"],
-    },
-    "knobs": {  # the data-parallel settings that trade bytes or SMs for overlap (weak-scaling study)
-        "ddp bucket_view=false": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
-                                  "ddp", "--parallelism.ddp_bucket_view=false"],
-        "ddp bf16_params": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
-                            "ddp", "--training.bf16_params"],
-        "ddp bf16_params bf16_moments": ["--training.local_batch_size", "4", "--compile.enable",
-                                         "--parallelism.data_parallel", "ddp", "--training.bf16_params",
-                                         "--optimizer.moments_dtype", "bfloat16"],
-        "ddp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "ddp",
-                            "--parallelism.ddp_reduce_dtype", "bfloat16"],
-        "fsdp reduce=bf16": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
-                             "fsdp", "--parallelism.fsdp_reduce_dtype", "bfloat16"],
-        "fsdp copy_engine": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
-                             "fsdp", "--parallelism.fsdp_copy_engine_all_gather"],
-        "fsdp reduce=bf16 copy_engine": ["--training.local_batch_size", "4", "--compile.enable",
-                                         "--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_reduce_dtype",
-                                         "bfloat16", "--parallelism.fsdp_copy_engine_all_gather"],
-        "fsdp reshard=never": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel",
-                               "fsdp", "--parallelism.fsdp_reshard_after_forward", "never"],
-    },
-    "scaling": {
-        "ddp": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "ddp"],
-        "fsdp": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "fsdp"],
-        "zero1": ["--training.local_batch_size", "4", "--compile.enable", "--parallelism.data_parallel", "zero1"],
+        "qwen3 compile": QWEN3 + COMPILE,
+        "qwen3 compile bf16_params": QWEN3 + COMPILE + BF16_PARAMS,
     },
 }
 
-
-def run_titanlite(name: str, args: list[str], ngpu: int, steps: int, skip: int, out: Path, timeout: int) -> dict:
-    """One titanlite configuration through gpu_parallel's launcher; steady-state figures or an error."""
-    res = launch(re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}_{ngpu}gpu"), ngpu, SHAPES + args, steps, 5, timeout, out)
-    if res["error"]:
-        return {"error": res["error"]}
-    f = figures(res, skip)
-    return {"tps_gpu": f["tps_gpu"], "mfu": f["mfu"], "mem": f["mem"], "reserved": f["reserved"],
-            "wall": res["wall_s"], "backend": res["log"]["startup_info"]["config"].get("attention_backend")}
+# torchtitan's data-parallel modes as its options: fsdp shards over every GPU, ddp replicates.
+PEER_MODES = {"fsdp": lambda n: [],
+              "ddp": lambda n: ["--parallelism.data_parallel_replicate_degree", str(n),
+                                "--parallelism.data_parallel_shard_degree", "1"]}
+# torchtitan 0.2.2's float8 (0.3.0 dropped tensorwise float8); the output layer stays bf16, as titanlite's.
+PEER_FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output"]
 
 
-PEER_LINE = re.compile(r"step:\s*(\d+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+).*mfu:\s*([\d.]+)%")
+def dp_mode(args: list[str]) -> str:
+    """The data-parallel mode a titanlite row runs (titanlite's default, fsdp, when not given)."""
+    return next((args[i + 1] for i, x in enumerate(args[:-1]) if x == "--parallelism.data_parallel"), "fsdp")
 
 
-def run_peer(ngpu: int, overrides: list[str], skip: int, out: Path, timeout: int) -> dict:
-    script = ROOT / ".bench" / "torchtitan_anchor" / "run.sh"
-    if not script.exists():
-        return {"error": "peer not carried (.bench missing)"}
-    try:
-        r = subprocess.run(["bash", str(script), str(ngpu), *overrides], cwd=ROOT, capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout}s"}
-    (out / f"peer_{ngpu}gpu{'_'.join(overrides).replace('-', '')}.log").write_text(r.stdout + r.stderr)
-    rows = [(int(m[1]), float(m[2]), float(m[3].replace(",", "")), float(m[4])) for m in PEER_LINE.finditer(r.stdout)]
-    steady = [x for x in rows if x[0] > skip]
-    if not steady:
-        return {"error": "no step lines from the peer"}
-    # torchtitan's "memory" is the caching allocator's max reserved, so it is compared with ours
-    return {"tps_gpu": sum(x[2] for x in steady) / len(steady), "mfu": sum(x[3] for x in steady) / len(steady),
-            "mem": None, "reserved": max(x[1] for x in steady)}
+def configurations(suites: list[str], only: set[str], extras: list[str]) -> list[tuple[str, list[str]]]:
+    """(row name, options) of the suites' configurations kept by --only, each followed by its --extra variants."""
+    rows = []
+    for suite in suites:
+        for name, args in SUITES[suite].items():
+            if only and name not in only:
+                continue
+            rows.append((name, args))
+            rows += [(f"{name} +{extra.replace('--', '')}", args + shlex.split(extra)) for extra in extras]
+    return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", default="h100", help=f"comma-separated: {', '.join(SUITES)}")
-    ap.add_argument("--only", default="", help="comma-separated config names to keep")
+def table(rows: list[tuple[str, launch.Result, dict[str, launch.Result]]], versions: list[str], skip: int) -> str:
+    """Markdown table. rows: (label, result, {version: the torchtitan result it is compared with})."""
+    head = ["config", "GPUs", "tok/s/GPU", "MFU %", "alloc GiB", "rsrvd GiB", *[f"vs {v}" for v in versions], "note"]
+    lines = ["Memory: peaks over the run. torchtitan prints the caching allocator's max reserved memory, so "
+             "compare the rsrvd column; titanlite's max allocated is beside it.",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r, refs in rows:
+        f = r.figures(skip)
+        if r.error:
+            cells = [label, str(r.ngpus), *["-"] * (4 + len(versions)), r.error]
+        else:
+            ratios = []
+            for v in versions:
+                ref = refs.get(v)
+                rf = ref.figures(skip) if ref is not None and not ref.error else {}
+                ratios.append(f"{f['tps_gpu'] / rf['tps_gpu']:.3f}" if rf.get("tps_gpu") and f.get("tps_gpu") else "-")
+            note = r.startup.get("config", {}).get("attention_backend") or ""
+            cells = [label, str(r.ngpus), launch.fmt(f.get("tps_gpu"), ",.0f"), launch.fmt(f.get("mfu"), ".1f"),
+                     launch.fmt(f.get("mem"), ".2f"), launch.fmt(f.get("reserved"), ".2f"), *ratios, note]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = launch.Parser(__doc__)
+    ap.add_argument("--suite", default="single", help=f"comma-separated: {', '.join(SUITES)}")
+    ap.add_argument("--only", default="", help="comma-separated configuration names to keep")
     ap.add_argument("--ngpus", default="1", help="comma-separated world sizes")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--skip", type=int, default=15, help="log steps <= this are warm-up")
-    ap.add_argument("--peer", action="store_true", help="also run the peer at each world size (bf16)")
-    ap.add_argument("--peer-float8", action="store_true", help="also run the peer with float8 tensorwise")
-    ap.add_argument("--peer-modes", default="fsdp", help="peer parallel modes for >1 GPU: fsdp,ddp")
-    ap.add_argument("--extra", default="", help="titanlite arguments appended to every configuration "
-                    "(its rows are named 'NAME +EXTRA'), for A/B of one knob against the suite; write it "
-                    "--extra=\"--a.b ...\" (a value starting with -- needs the =)")
-    ap.add_argument("--timeout", type=int, default=420)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/compare_peer"))
-    a = ap.parse_args()
+    ap.add_argument("--skip", type=int, default=15, help="log steps up to this one are warm-up")
+    ap.add_argument("--peer", action="store_true", help="run every torchtitan version (same as --peers 0.2.2,0.3.0)")
+    ap.add_argument("--peers", default="", help=f"comma-separated torchtitan versions: {', '.join(launch.PEERS)}")
+    ap.add_argument("--peer-modes", default="fsdp", help="torchtitan modes on several GPUs: fsdp,ddp")
+    ap.add_argument("--peer-float8", action="store_true", help="also torchtitan 0.2.2 with float8 tensorwise")
+    ap.add_argument("--extra", action="append", default=[], metavar="OPTIONS",
+                    help="titanlite options of a variant row beside each configuration; write --extra=\"--a.b v\" "
+                         "(a value that starts with -- needs the =); repeat for more variants")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/compare_peer"))
+    a = ap.parse_args(argv)
+    unknown = [s for s in a.suite.split(",") if s not in SUITES]
+    if unknown:
+        ap.error(f"unknown suite {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    a.versions = list(launch.PEERS) if a.peer else [v for v in a.peers.split(",") if v]
+    bad = [v for v in a.versions if v not in launch.PEERS] + [m for m in a.peer_modes.split(",") if m not in PEER_MODES]
+    if bad:
+        ap.error(f"unknown torchtitan version or mode {', '.join(bad)}; versions: {', '.join(launch.PEERS)}, "
+                 f"modes: {', '.join(PEER_MODES)}")
+    try:
+        a.world_sizes = [int(n) for n in a.ngpus.split(",")]
+    except ValueError:
+        ap.error(f"--ngpus takes comma-separated integers; got {a.ngpus!r}")
+    all_names = {n for s in SUITES.values() for n in s}
+    missing = set(filter(None, a.only.split(","))) - all_names
+    if missing:
+        ap.error(f"--only names no configuration: {', '.join(sorted(missing))}")
+    a.rows = configurations(a.suite.split(","), set(filter(None, a.only.split(","))), a.extra)
+    if not a.rows:
+        ap.error("no configuration of the chosen suites is kept by --only")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    only = set(filter(None, a.only.split(",")))
     rows = []
-    for ngpu in map(int, a.ngpus.split(",")):
-        peer = {}
-        if a.peer:
-            modes = ["fsdp"] if ngpu == 1 else a.peer_modes.split(",")
-            for mode in modes:
-                ov = [] if mode == "fsdp" else ["--parallelism.data_parallel_replicate_degree", str(ngpu),
-                                               "--parallelism.data_parallel_shard_degree", "1"]
-                peer[mode] = run_peer(ngpu, ov, a.skip, out, a.timeout)
-                rows.append((f"peer {mode if ngpu > 1 else 'bf16+compile'}", ngpu, peer[mode], None))
-                print(f"[{time.strftime('%H:%M:%S')}] peer {mode} {ngpu} GPU: {peer[mode]}", flush=True)
+    steps = ["--training.steps", str(a.steps)]  # torchtitan runs as many steps as titanlite
+    for n in a.world_sizes:
+        peers: dict[str, dict[str, launch.Result]] = {}  # mode -> version -> result
+        for mode in (["fsdp"] if n == 1 else a.peer_modes.split(",")):
+            for v in a.versions:
+                r = launch.peer(v, n, PEER_MODES[mode](n) + steps, timeout=a.timeout + 180)
+                peers.setdefault(mode, {})[v] = r
+                rows.append((f"torchtitan {v}" + (f" {mode}" if n > 1 else ""), r, {}))
         if a.peer_float8:
-            pf8 = run_peer(ngpu, ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output"], a.skip, out, a.timeout)
-            rows.append(("peer +float8", ngpu, pf8, None))
-            print(f"[{time.strftime('%H:%M:%S')}] peer float8 {ngpu} GPU: {pf8}", flush=True)
-        for suite in a.suite.split(","):
-            for name, args in SUITES[suite].items():
-                if only and name not in only:
-                    continue
-                if a.extra:
-                    name, args = f"{name} +{a.extra.replace('--', '')}", args + shlex.split(a.extra)
-                res = run_titanlite(name, args, ngpu, a.steps, a.skip, out, a.timeout)
-                mode = next((args[i + 1] for i, x in enumerate(args) if x == "--parallelism.data_parallel"), "fsdp")
-                ref = peer.get(mode) or peer.get("fsdp")
-                rows.append((name, ngpu, res, ref))
-                print(f"[{time.strftime('%H:%M:%S')}] {name} {ngpu} GPU: {res}", flush=True)
-    print(f"\n{'config':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'MFU %':>7} {'alloc GiB':>9} {'rsrvd GiB':>9} "
-          f"{'vs peer':>8}  note")
-    print("-" * 94)
-    for name, ngpu, r, ref in rows:
-        if "error" in r:
-            print(f"{name:<30} {ngpu:>4} {'-':>10} {'-':>7} {'-':>9} {'-':>9} {'-':>8}  {r['error']}")
-            continue
-        ratio = f"{r['tps_gpu'] / ref['tps_gpu']:.3f}" if ref and "error" not in ref else "-"
-        mfu = f"{r['mfu']:.1f}" if r.get("mfu") is not None else "-"
-        alloc = f"{r['mem']:.1f}" if r.get("mem") is not None else "-"
-        print(f"{name:<30} {ngpu:>4} {r['tps_gpu']:>10,.0f} {mfu:>7} {alloc:>9} {r['reserved']:>9.1f} {ratio:>8}  "
-              f"{r.get('backend') or ''}")
+            r = launch.peer("0.2.2", n, PEER_FLOAT8 + steps, timeout=a.timeout + 180)
+            rows.append(("torchtitan 0.2.2 float8", r, {}))
+        for name, args in a.rows:
+            r = launch.titanlite(re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}_{n}gpu"), args, n, a.steps, 5, a.timeout)
+            rows.append((name, r, peers.get(dp_mode(args)) or peers.get("fsdp", {})))
+    first = next((r for _, r, _ in rows if r.startup), None)
+    where = (f"{first.startup['hardware'].get('name')}, torch {first.startup['software'].get('torch')}, "
+             if first else "")
+    text = (f"{where}LLaMA 1.36B (qwen3 rows: Qwen3 1.8B), local batch 4, seq 2048, {a.steps} steps, "
+            f"steady state after step {a.skip}\n\n" + table(rows, a.versions, a.skip))
+    print("\n" + text)
+    launch.save(out, "compare_peer", text, [r for _, r, _ in rows], {"argv": sys.argv[1:] if argv is None else argv})
 
 
 if __name__ == "__main__":

@@ -3,16 +3,16 @@
     python benchmarks/data_bench.py                       # ~30 MB of text in a temp folder
     python benchmarks/data_bench.py --workdir /tmp/dbench  # keep the prepared shards (for a training run)
     python benchmarks/data_bench.py --data-wait outputs/llama-1.36b/run_*.json   # data-wait share of a run
+    python benchmarks/data_bench.py --verify-gib 8 --workdir /tmp/vbench   # start-up shard verification GB/s
 
 The text is the interpreter's standard library (the python_stdlib corpus) repeated to --mb
 megabytes, so every machine builds the same corpus without a download. The loader is measured at
 LLaMA 1.36B shapes (local batch 4 x seq 2048, vocab 32000 -> uint16 shards) and compared with the
-~55k tokens/s that LLaMA 1.36B consumes per H100. Prints a table; asserts nothing.
+rate at which one H100 trains LLaMA 1.36B (H100_TOKENS_PER_SEC). Prints a table; asserts nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch  # noqa: E402  (benchmarks/launch.py: the steady-state rule)
 
-H100_TOKENS_PER_SEC = 55_000  # LLaMA 1.36B, one H100, bf16 + compile (seed guides)
+H100_TOKENS_PER_SEC = 55_000  # what one H100 trains LLaMA 1.36B at, bf16 + compile (docs/performance.md)
 
 
 def write_corpus(path: Path, megabytes: float) -> int:
@@ -59,30 +61,68 @@ def loader_tokens_per_sec(folder: Path, workers: int, batches: int, batch: int, 
     return batches * batch * seq / (time.perf_counter() - start)
 
 
-def data_wait(paths: list[str]) -> None:
-    """Data-wait share of step time in run logs (log steps after the first, which holds compilation)."""
+def data_wait(paths: list[str], skip: int) -> None:
+    """Data-wait share of step time in run logs, over their steady state (launch.steady)."""
     for path in paths:
-        its = json.load(open(path))["training_iterations"][1:]
+        its = launch.steady(json.load(open(path))["training_iterations"], skip)
         data = [r["data_ms"] for e in its if e.get("breakdown") for r in e["breakdown"]["ranks"]]
         step = [r["step_ms"] for e in its if e.get("breakdown") for r in e["breakdown"]["ranks"]]
         if not step:
-            print(f"{path}: no breakdown entries after the first log step")
+            print(f"{path}: no breakdown entries in the steady state")
             continue
         print(f"{path}: data wait {sum(data) / len(data):.2f} ms of {sum(step) / len(step):.1f} ms per step "
               f"= {100 * sum(data) / sum(step):.2f}% (max over ranks and log steps {max(d / s for d, s in zip(data, step)) * 100:.2f}%)")
 
 
+def verify_throughput(work: Path, gib: float, cold: bool) -> None:
+    """GB/s of the start-up shard verification (CRC32 + largest id) over `gib` GiB of uint16 shards of
+    the default size, per thread count, from the page cache and, with `cold` (root), from disk."""
+    import numpy as np
+
+    from titanlite.data.prepare import DEFAULT_SHARD_TOKENS
+    from titanlite.data.shards import ShardWriter, scan_shards
+
+    out = work / f"verify_{gib:g}gib"
+    if not (out / "meta.json").exists():
+        block = np.random.default_rng(0).integers(0, 32000, 1 << 20, dtype=np.uint16)
+        t0 = time.perf_counter()
+        with ShardWriter(out, 32000, DEFAULT_SHARD_TOKENS, overwrite=True) as w:
+            for _ in range(int(gib * 2**30 / block.nbytes)):
+                w.add("train", block)
+            w.commit({"vocab_size": 32000})
+        print(f"wrote {gib:g} GiB of shards (with their CRC32 and largest id) in {time.perf_counter() - t0:.1f} s")
+    paths = sorted(out.glob("train_*.bin"))
+    total = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} shards, {total / 2**30:.2f} GiB | {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    for threads in sorted({1, 2, 4, 8, 16, os.cpu_count() or 1}):
+        for cache in ("page cache", "disk") if cold else ("page cache",):
+            if cache == "disk":
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            t0 = time.perf_counter()
+            scan_shards(paths, np.dtype(np.uint16), threads)
+            print(f"threads {threads:>3}  {cache:<10}  {total / (time.perf_counter() - t0) / 1e9:6.2f} GB/s")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = launch.Parser(__doc__)
     ap.add_argument("--mb", type=float, default=30, help="megabytes of text to prepare")
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--workdir", default="", help="keep corpus, tokenizer and shards here (default: a temp folder)")
     ap.add_argument("--batches", type=int, default=200, help="loader batches timed per setting")
     ap.add_argument("--prepare-workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--data-wait", nargs="+", metavar="RUN_JSON", help="only report data-wait share of run logs")
+    ap.add_argument("--skip", type=int, default=10, help="--data-wait: log steps up to this one are warm-up")
+    ap.add_argument("--verify-gib", type=float, default=0, help="only time shard verification over this many GiB")
+    ap.add_argument("--verify-cold", action="store_true",
+                    help="with --verify-gib, also read from disk: drops the page cache of the whole machine (root)")
     args = ap.parse_args()
     if args.data_wait:
-        return data_wait([p for pat in args.data_wait for p in sorted(glob.glob(pat))])
+        return data_wait([p for pat in args.data_wait for p in sorted(glob.glob(pat))], args.skip)
+    if args.verify_gib:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="data_bench_"))
+        work.mkdir(parents=True, exist_ok=True)
+        return verify_throughput(work, args.verify_gib, args.verify_cold)
 
     from titanlite.data.prepare import file_pieces, prepare_dataset
     from titanlite.data.tokenizer import train_bpe

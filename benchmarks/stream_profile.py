@@ -1,8 +1,11 @@
 """Where a (multi-GPU) training step's GPU time goes, stream by stream.
 
-    torchrun --standalone --nproc_per_node 4 benchmarks/stream_profile.py \\
+    python benchmarks/stream_profile.py --ngpus 4 \\
         --job.config_file train_configs/llama_1.36b_h100.toml --training.dataset synthetic \\
         --parallelism.data_parallel fsdp [any training option]
+
+--ngpus N starts the profile on N GPUs through benchmarks/launch.py (torchrun, the benchmarks'
+environment, a timeout) and prints the reports; without it the script profiles the process it runs in.
 
 After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 more (CUDA activity
 only) and prints, for the first and the last rank:
@@ -15,7 +18,7 @@ only) and prints, for the first and the last rank:
   taking longer here than in a one-GPU run is the cost of sharing SMs and memory with the
   collectives, which no timeline of exposed communication shows;
 - the other streams' kernels (NCCL, copy-engine memcpy, FSDP's copy-in).
-Compare a 1-GPU run with the N-GPU one: `--nproc_per_node 1` profiles the same step alone.
+Compare a 1-GPU run with the N-GPU one: `--ngpus 1` profiles the same step alone.
 """
 
 from __future__ import annotations
@@ -118,7 +121,27 @@ def report(r: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def launch_and_report(ngpus: int, args: list[str]) -> int:
+    """Run this script on `ngpus` GPUs through the benchmark launcher; print its reports."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import launch
+
+    rc, text, _ = launch.execute("stream_profile", launch.command(ngpus, [os.path.abspath(__file__), *args]), 900)
+    lines = text.splitlines()
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("== rank")), len(lines))
+    print("\n".join(lines[first:]))
+    if rc != 0:
+        print(f"stream_profile: {launch.error_line(text, rc, 900)} (whole output: {launch.WORK / 'stream_profile.log'})",
+              file=sys.stderr)
+    return 0 if rc == 0 else 1
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--ngpus"] and "LOCAL_RANK" not in os.environ:
+        if len(sys.argv) < 3 or not sys.argv[2].isdigit() or int(sys.argv[2]) < 1:
+            print("stream_profile: --ngpus takes a positive integer", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(launch_and_report(int(sys.argv[2]), sys.argv[3:]))
     import torch
     from torch.profiler import ProfilerActivity, profile
 

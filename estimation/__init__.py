@@ -1,7 +1,9 @@
-"""Memory and MFU dry runs on a machine without a GPU.
+"""Dry runs on a machine without a GPU.
 
-`python -m estimation --job.config_file X.toml --estimate.ngpu 8 --estimate.hardware h100` builds the
-configured model and parallelism on fake tensors with a fake process group, runs forward, backward
-and the optimizer step, and reports per-rank memory by category, the largest local batch that fits,
-and predicted step time / tokens/s / MFU. See docs/estimation.md.
+`python -m estimation --job.config_file X.toml --estimate.ngpu 8 --estimate.hardware h100` runs one
+training step of the configured job (the trainer's own parallelize, optimizer and TrainStep,
+torch.compile's own partitioning when compile is on) on fake tensors with a fake process group, and
+reports per-rank memory by category, the largest local batch that fits, and predicted step time /
+tokens/s / MFU at calibrated rates. `--estimate.recommend` searches the settings for a target global
+batch and writes the best as a TOML. See docs/estimation.md.
 """

@@ -75,7 +75,17 @@ class _Fits:
         return peak <= self.budget
 
 
+def activation_floor(args, seq_len: int) -> int:
+    """Bytes per sequence that every configuration keeps through the forward: each block's input,
+    at two bytes an element (activation checkpointing keeps at least that). A batch whose floor alone
+    exceeds the budget is never run: the search stays bounded and the answer comes at once."""
+    return args.n_layers * seq_len * args.dim * 2
+
+
 def estimate(cfg, progress=_progress) -> dict:
+    """Memory at the configured batch, the largest batch that fits, and (for a run that fits) the
+    throughput model. `report["memory"]["fits"]` False: the configured run cannot exist, and the
+    report holds no throughput."""
     t0 = time.perf_counter()
     est = cfg.estimate
     hw = get_hardware(est.hardware)
@@ -89,34 +99,47 @@ def estimate(cfg, progress=_progress) -> dict:
     usable = hw.memory_gib * GIB - est.reserved_gib * GIB
     mode = data_parallel_mode(cfg, world)
     fits = _Fits(usable, headroom(est.fragmentation, mode))
+    floor = activation_floor(args, seq)
+    bound = int(fits.budget // floor)  # no batch above this can fit
+    limit = min(max(est.max_local_batch, local if local <= bound else 0), bound)
+    if local > bound:
+        progress(f"local batch {local} does not fit: its blocks' inputs alone take {local * floor / GIB:,.1f} GiB "
+                 f"of {fits.budget / GIB:.1f} GiB (not run)")
 
-    progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}")
-    run = FakeRun(cfg, world)
-    try:
-        results: dict[int, StepResult] = {}
+    results: dict[int, StepResult] = {}
+    largest = 0
+    if limit >= 1 and (est.search or local <= bound):
+        progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}"
+                 + (", compiled" if cfg.compile.enable else ""))
+        run = FakeRun(cfg, world)
+        try:
+            def peak_of(b: int) -> int:
+                results[b] = r = run.step(b, micro_steps)
+                verdict = "fits" if fits(r.peak_bytes) else "does not fit"
+                progress(f"local batch {b}: peak {r.peak_bytes / GIB:.2f} GiB ({verdict}) "
+                         f"[{time.perf_counter() - t0:.0f}s]")
+                return r.peak_bytes
 
-        def peak_of(b: int) -> int:
-            results[b] = r = run.step(b, micro_steps)
-            verdict = "fits" if fits(r.peak_bytes) else "does not fit"
-            progress(f"local batch {b}: peak {r.peak_bytes / GIB:.2f} GiB ({verdict}) "
-                     f"[{time.perf_counter() - t0:.0f}s]")
-            return r.peak_bytes
-
-        limit = max(est.max_local_batch, local)
-        largest = largest_batch(peak_of, fits, local, limit) if est.search else peak_of(local)
-    finally:
-        run.close()
-    if largest == 0:
-        r1 = results[1]
+            if est.search:
+                # a configured batch beyond the bound is not probed: start from the bottom instead
+                largest = largest_batch(peak_of, fits, local if local <= limit else 1, limit)
+            elif fits(peak_of(local)):
+                largest = local
+        finally:
+            run.close()
+    if est.search and largest == 0:
+        r1 = results.get(1)
+        need = (f"peak {r1.peak_bytes / GIB:.1f} GiB x {1 + fits.fragmentation:.2f}" if r1 else
+                f"its blocks' inputs alone {floor / GIB:.1f} GiB")
         raise ConfigError(
             f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "
-            f"1: peak {r1.peak_bytes / GIB:.1f} GiB x {1 + fits.fragmentation:.2f} + {est.reserved_gib} GiB reserved > "
-            f"{hw.memory_gib} GiB; try fsdp, activation_checkpoint.mode=full, a shorter seq_len or more GPUs")
+            f"1: {need} + {est.reserved_gib} GiB reserved > {hw.memory_gib} GiB; try fsdp, "
+            f"activation_checkpoint.mode=full, a shorter seq_len or more GPUs")
 
-    res = results[local]
+    res = results.get(local)
+    fits_configured = res is not None and fits(res.peak_bytes)
     tokens_per_step = local * world * accum * seq
     flops_per_token = args.flops_per_token(seq)
-    a = assumptions(est, hw, world, attention, cfg.compile.enable)
     report = {
         "config": {
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": args.num_params(), "ngpu": world,
@@ -125,19 +148,25 @@ def estimate(cfg, progress=_progress) -> dict:
             "global_batch_size": local * world * accum, "activation_checkpoint": cfg.activation_checkpoint.mode,
             "float8": cfg.float8.enable, "compile": cfg.compile.enable, "attention_backend": attention,
             "mixed_precision_param": cfg.training.mixed_precision_param,
+            "bf16_params": cfg.training.bf16_params, "moments_dtype": cfg.optimizer.moments_dtype,
         },
-        "memory": _memory(res, hw, usable, fits),
+        "memory": _memory(res, hw, usable, fits, local * floor),
         "batch_search": _search(results, largest, cfg, world, fits) if est.search else None,
-        "throughput": {"flops_per_token": flops_per_token,
-                       **predict(res.work, a, accum, tokens_per_step, flops_per_token, world)},
+        "throughput": None,
         "notes": [
-            "memory is per rank (rank 0) for eager mode; torch.compile keeps fewer activations",
+            "memory is per rank (rank 0); with compile.enable the compiled blocks keep what torch.compile's "
+            "partitioner saves",
             "fake tensors run on CPU with CUDA's choices made explicit: bf16 autocast / FSDP bf16 params, "
-            "fused AdamW, fused RMSNorm saved tensors, flash-style attention (output + logsumexp saved)",
+            "fused AdamW, fused RMSNorm saved tensors outside compiled code, flash-style attention "
+            "(output + logsumexp saved)",
         ],
         "resolved_config": to_dict(cfg),
-        "elapsed_s": round(time.perf_counter() - t0, 1),
     }
+    if fits_configured:
+        a = assumptions(est, hw, world, attention)
+        report["throughput"] = {"flops_per_token": flops_per_token,
+                                **predict(res.work, a, accum, tokens_per_step, flops_per_token, world)}
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return report
 
 
@@ -145,7 +174,11 @@ def _gib(d: dict) -> dict:
     return {k: round(v / GIB, 3) for k, v in d.items()}
 
 
-def _memory(res: StepResult, hw, usable: float, fits) -> dict:
+def _memory(res: StepResult | None, hw, usable: float, fits, floor_bytes: int) -> dict:
+    """The configured batch's memory; None figures where it was not run (its floor alone is too large)."""
+    if res is None:
+        return {"peak_gib": None, "floor_gib": round(floor_bytes / GIB, 3), "gpu_memory_gib": hw.memory_gib,
+                "usable_gib": round(usable / GIB, 2), "allocator_headroom": fits.fragmentation, "fits": False}
     return {
         "peak_gib": round(res.peak_bytes / GIB, 3),
         "gpu_memory_gib": hw.memory_gib,
@@ -160,7 +193,8 @@ def _memory(res: StepResult, hw, usable: float, fits) -> dict:
 
 def _search(results: dict, largest: int, cfg, world: int, fits) -> dict:
     gb = cfg.training.global_batch_size
-    out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3),
+    out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3)
+           if largest else None,
            "probes": [{"local_batch": b, "peak_gib": round(r.peak_bytes / GIB, 3), "fits": fits(r.peak_bytes)}
                       for b, r in sorted(results.items())]}
     if gb == -1:
@@ -181,15 +215,22 @@ def format_report(r: dict) -> str:
         f"{c['model']} ({c['params']:,} params) | {c['ngpu']} x {c['hardware']} ({c['device_name']}) | "
         f"{c['data_parallel']} | local batch {c['local_batch_size']} x seq {c['seq_len']} x accum "
         f"{c['gradient_accumulation_steps']} | AC {c['activation_checkpoint']} | float8 {c['float8']} | "
-        f"compile {c['compile']}",
-        "",
-        "memory per rank (GiB)      at peak   after backward",
+        f"compile {c['compile']}" + (" | bf16_params" if c.get("bf16_params") else "")
+        + (f" | moments {c['moments_dtype']}" if c.get("moments_dtype", "float32") != "float32" else ""),
     ]
-    for k in m["at_peak_gib"]:
-        lines.append(f"  {k:<24} {m['at_peak_gib'][k]:>8.2f}   {m['model_state_gib'][k]:>8.2f}")
-    lines.append(f"  {'peak':<24} {m['peak_gib']:>8.2f}   = {m['share_of_gpu_pct']}% of {m['gpu_memory_gib']} GiB "
-                 f"({'fits' if m['fits'] else 'DOES NOT FIT'} in {m['usable_gib']} GiB usable, "
-                 f"{m['allocator_headroom']:.0%} allocator headroom)")
+    if not m["fits"]:
+        need = (f"peak {m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else
+                f"its blocks' inputs alone {m['floor_gib']:,.1f} GiB")
+        lines.append(f"DOES NOT FIT: local batch {c['local_batch_size']} needs {need} x "
+                     f"{1 + m['allocator_headroom']:.2f} (allocator headroom) > {m['usable_gib']} GiB usable; "
+                     f"no throughput for a run that cannot start")
+    if m["peak_gib"] is not None:
+        lines += ["", "memory per rank (GiB)      at peak   after backward"]
+        for k in m["at_peak_gib"]:
+            lines.append(f"  {k:<24} {m['at_peak_gib'][k]:>8.2f}   {m['model_state_gib'][k]:>8.2f}")
+        lines.append(f"  {'peak':<24} {m['peak_gib']:>8.2f}   = {m['share_of_gpu_pct']}% of {m['gpu_memory_gib']} GiB "
+                     f"({'fits' if m['fits'] else 'DOES NOT FIT'} in {m['usable_gib']} GiB usable, "
+                     f"{m['allocator_headroom']:.0%} allocator headroom)")
     s = r.get("batch_search")
     if s:
         lines.append(f"largest local batch that fits: {s['largest_local_batch']} "
@@ -201,7 +242,9 @@ def format_report(r: dict) -> str:
         elif s["global_batch_size"] != "local x ranks (no accumulation)":
             lines.append(f"global batch {s['global_batch_size']}: no local batch <= {s['largest_local_batch']} "
                          f"divides it over {c['ngpu']} ranks")
-    a = t["assumptions"]
+    if t is None:
+        return "\n".join(lines)
+    a, w = t["assumptions"], t["work"]
     lines += [
         "",
         f"throughput: {t['flops_per_token'] / 1e9:.2f} GFLOP/token ({FLOPS_CONVENTION})",
@@ -213,12 +256,16 @@ def format_report(r: dict) -> str:
                      f"{v['tokens_per_sec_per_gpu']:>10,.0f} {v['mfu_pct']:>6.1f}")
     lines.append("  terms (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in t["terms_ms"].items())
                  + f" -> dominant: {t['dominant']}")
-    lines.append(f"  assumptions: bf16 peak {a['peak_tflops']} TFLOP/s x GEMM efficiency {a['gemm_efficiency']}; "
-                 f"attention {a['attention_backend']} at {a['attention_efficiency']:.3f} of peak (causal FLOPs); "
-                 f"memory-bound ops at {a['hbm_tbps']} TB/s x {a['memory_efficiency']}"
-                 + (f" x traffic factor {a['compile_traffic_factor']} (compile)" if a["compile"] else " (eager)")
-                 + f"; collectives at {a['link_gbps']} GB/s x {a['link_efficiency']} (ring); "
-                 f"launch {a['launch_us']} us/kernel")
+    lines.append(f"  work: GEMM {w['gemm_flops'] / 1e12:.1f} TFLOP"
+                 + (f" + float8 {w['float8_flops'] / 1e12:.1f}" if w["float8_flops"] else "")
+                 + f", attention {w['attention_flops'] / 1e12:.1f} TFLOP (causal), element-wise "
+                 f"{(w['elementwise_bytes'] + w['fused_bytes']) / 1e9:.1f} GB, optimizer {w['optimizer_bytes'] / 1e9:.1f} GB, "
+                 f"{w['kernels']:,.0f} kernels, link {w['comm_bytes'] / 1e9:.2f} GB")
+    lines.append(f"  rates: GEMM {a['gemm_efficiency']:.2f} of {a['peak_tflops']:g} TFLOP/s; attention "
+                 f"{a['attention_backend']} {a['attention_efficiency']:.3f}; element-wise {a['elementwise_efficiency']:.2f} "
+                 f"(eager) / {a['fused_efficiency']:.2f} (compiled) and optimizer {a['optimizer_efficiency']:.2f} of "
+                 f"{a['hbm_tbps']:g} TB/s; link {a['link_efficiency']:.2f} of {a['link_gbps']:g} GB/s; launch "
+                 f"{a['launch_us']:g} us/kernel (estimation/calibration.json)")
     return "\n".join(lines)
 
 

@@ -1,13 +1,17 @@
 """One rank of an N-GPU training run, on fake tensors: build, parallelize, step, measure.
 
-The model is built the way the trainer builds it (titanlite.models on meta, then titanlite.parallel's
-float8 -> activation checkpointing -> materialise -> data-parallel wrapping) under FakeTensorMode
-with a fake process group of the target world size, so every collective, shard and buffer has the
-shape it has on the GPUs while no memory is touched. Fake tensors live on "cpu" (torch cannot run
-CUDA kernels' fake versions without a GPU), so the GPU's choices are made explicitly here:
-bf16 autocast or FSDP bf16 parameters as on CUDA, fused AdamW as on CUDA, and a stand-in for CUDA's
-fused RMSNorm (CPU decomposes it and would save two extra fp32 copies of the input per norm).
-torch.compile is not run: the memory is that of eager mode (see docs/estimation.md).
+What runs is the trainer's own code: the model from titanlite.models on meta, `parallelize` (float8
+-> activation checkpointing -> compile -> materialise -> bf16 parameters -> data-parallel wrapping),
+`build_optimizer`, and `titanlite.step.TrainStep` for the step itself (micro-batches, gradient sync
+on the last, clip, update), watched through `MemoryHooks`. It all runs under FakeTensorMode with a
+fake process group of the target world size, so every collective, shard and buffer has the shape it
+has on the GPUs while no memory is touched.
+
+Fake tensors live on "cpu" (torch's fake CUDA kernels need a GPU build), so the GPU's choices are
+made explicitly: bf16 autocast or FSDP bf16 parameters as on CUDA, fused AdamW as on CUDA, and a
+stand-in for CUDA's fused RMSNorm outside compiled code (CPU decomposes it and would save two extra
+fp32 copies of the input per norm). With compile.enable, torch.compile runs its real pipeline up to
+code generation (estimation.compiled), so compiled blocks keep what Inductor keeps.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titanlite.config.manager import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.models import build_model, get_model_args
-from titanlite.parallel import ParallelDims, clip_grad_norm, float8_post_step, grad_sync
-from titanlite.config.manager import autocasts, bf16_copies, data_parallel_mode, hsdp_shape
-from titanlite.parallel.data_parallel import apply_ddp
-from titanlite.parallel.apply import apply_ac, apply_bf16_params, apply_float8
+from titanlite.optim import build_optimizer
+from titanlite.parallel import ParallelDims, float8_post_step, parallelize
+from titanlite.parallel.data_parallel import _fsdp, apply_ddp, fused_clip_supported
+from titanlite.parallel.modes import MODES
+from titanlite.step import StepHooks, TrainStep, make_forward_loss
 
 from estimation.tracker import StepTracker, nbytes
 
@@ -51,21 +57,60 @@ class _FusedRMSNorm(torch.autograd.Function):
         return gx.to(x.dtype), (grad.float() * xhat).flatten(0, -2).sum(0).to(weight.dtype), None
 
 
-def _rms_norm(x, normalized_shape, weight=None, eps=None):
-    if weight is None:
-        weight = torch.ones(normalized_shape, device=x.device)
-    return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
-
-
 @contextlib.contextmanager
 def cuda_like_kernels():
-    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors."""
+    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors or do different
+    work: the fused RMSNorm (code that torch.compile traces keeps the real op: Inductor decides what
+    it saves), and the chunked loss's fp32-output GEMM into the weight-gradient accumulator (on the
+    CPU a product, then an add)."""
     orig = F.rms_norm
-    F.rms_norm = _rms_norm
+
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        if torch.compiler.is_compiling():
+            return orig(x, normalized_shape, weight, eps)
+        if weight is None:
+            weight = torch.ones(normalized_shape, device=x.device)
+        return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
+
+    import titanlite.ops.loss as loss
+
+    def accumulate_mm(acc, a, b):  # CUDA's path: one GEMM adding into the fp32 accumulator
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+    F.rms_norm, orig_acc, loss._accumulate_mm = rms_norm, loss._accumulate_mm, accumulate_mm
     try:
         yield
     finally:
-        F.rms_norm = orig
+        F.rms_norm, loss._accumulate_mm = orig, orig_acc
+
+
+@contextlib.contextmanager
+def _float8_as_on_the_gpu():
+    """The target GPU runs float8 matmuls (torch._scaled_mm); on fake tensors its fake kernel gives
+    their shapes on any device, so the fake run keeps torchao's real (non-emulated) path: the float8
+    GEMMs are counted as such, and torchao saves what it saves on the GPU."""
+    import titanlite.parallel.apply as apply
+
+    orig = apply.float8_supported
+    apply.float8_supported = lambda device: True
+    try:
+        yield
+    finally:
+        apply.float8_supported = orig
+
+
+@contextlib.contextmanager
+def _init_without_values():
+    """Weight initialisation has nothing to draw on fake tensors, and torch's truncated normal
+    redraws out-of-range values in a loop that reads them."""
+    import torch.nn.init as init
+
+    orig = init.trunc_normal_
+    init.trunc_normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        init.trunc_normal_ = orig
 
 
 def _mesh_outside_fake(shape, names):
@@ -142,21 +187,67 @@ def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
         work.ops += 1
 
 
+class MemoryHooks(StepHooks):
+    """TrainStep's phases as the tracker's: what a forward allocates is activations, what a backward or
+    the optimizer allocates is temporaries; a backward's survivors are gradients (plain or, without
+    sync, accumulated unsharded), the optimizer's survivors its state. Also counts the micro-steps and
+    optimizer phases it saw (tests check the step ran through TrainStep)."""
+
+    def __init__(self, tracker: StepTracker):
+        self.t = tracker
+        self.model_state: dict[str, int] = {}
+        self.micro_steps = 0
+        self.updates = 0
+
+    def _phase(self, phase: str, category: str) -> None:
+        self.t.phase, self.t.category = phase, category
+
+    @staticmethod
+    def _tag(last: bool) -> str:
+        return "last" if last else "accum"
+
+    @contextlib.contextmanager
+    def micro_step(self, micro: int, last: bool):
+        self._phase(f"fwd_{self._tag(last)}", "activations")
+        yield
+        self.t.relabel_survivors((f"bwd_{self._tag(last)}",), "temporaries", "grads")
+        self.micro_steps += 1
+
+    @contextlib.contextmanager
+    def data(self, micro: int):
+        self._phase("data", "activations")  # the token ids: inputs of the forward
+        yield
+
+    @contextlib.contextmanager
+    def backward(self, micro: int, last: bool):
+        self._phase(f"bwd_{self._tag(last)}", "temporaries")
+        yield
+
+    @contextlib.contextmanager
+    def optimizer(self):
+        self.model_state = self.t.breakdown("current")  # params, grads, optimizer state, persistent buffers
+        self._phase("opt", "temporaries")
+        yield
+        self.t.relabel_survivors(("opt",), "temporaries", "optimizer")
+        self._phase("idle", "temporaries")
+        self.updates += 1
+
+
 class FakeRun:
     """Rank 0 of `world` ranks; `step(local_batch)` measures one optimizer step at that batch."""
 
     def __init__(self, cfg, world: int, attention_backend: str = "sdpa"):
         self.cfg = run_cfg = copy.deepcopy(cfg)
-        run_cfg.compile.enable = False            # eager: see the module docstring
-        run_cfg.float8.emulate = True             # float8 matmuls have CPU (fake) kernels only emulated
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
+        run_cfg.training.cuda_graphs = False      # capture changes no tensor; it needs a CUDA device
+        if computes_bf16(cfg, "cuda"):  # as on CUDA (the fake tensors are CPU tensors): bf16 copies, autocast
+            run_cfg.training.mixed_precision_param = "bfloat16"
         self.world = world
         self.mode = data_parallel_mode(cfg, world)
         self.args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         self.seq_len = cfg.training.seq_len
+        self.compiled = cfg.compile.enable
         self.dims = ParallelDims(world, 0, 0, torch.device("cpu"), self.mode)
-        # The data-parallel code reads dims.device for GPU-only choices (bf16 FSDP params): show it CUDA.
-        self.gpu_dims = dataclasses.replace(self.dims, device=torch.device("cuda", 0))
         self._own_pg = False
         if world > 1:
             if dist.is_initialized():
@@ -165,91 +256,72 @@ class FakeRun:
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
             self._own_pg = True
-        mesh = None
+        self._mesh = None
         if self.mode == "fsdp":
-            mesh = _mesh_outside_fake((world,), ("dp_shard",))
+            self._mesh = _mesh_outside_fake((world,), ("dp_shard",))
         elif self.mode == "hsdp":
-            mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
+            self._mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
 
         with torch.device("meta"):
             model = build_model(self.args, attention_backend, self.seq_len, run_cfg.training.loss_chunk_tokens)
-        if run_cfg.float8.enable:
-            apply_float8(model, run_cfg, self.gpu_dims)
-        if run_cfg.activation_checkpoint.mode != "none":
-            apply_ac(model, run_cfg)
-
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StepTracker()
-        with self._active():
+        self.hooks = MemoryHooks(self.tracker)
+        self._stack = contextlib.ExitStack()
+        if self.compiled:
+            from estimation.compiled import capture_compile
+
+            self._stack.enter_context(capture_compile())
+        with self._active(), _init_without_values(), _float8_as_on_the_gpu():
             self.tracker.count_work = False
-            model.to_empty(device="cpu")
-            if self.args.tie_embeddings:  # values do not matter on fake tensors, the sharing does
-                model.output.weight = model.tok_embeddings.weight
-            if bf16_copies(run_cfg, world):  # as parallelize (on CUDA): before any wrapping
-                apply_bf16_params(model, self.mode)
-            if self.mode in ("fsdp", "hsdp"):
-                from titanlite.parallel.data_parallel import _fsdp
-
-                model = _fsdp(model, run_cfg, self.gpu_dims, mesh)
-            elif self.mode in ("ddp", "zero1"):
-                reduce_dtype = getattr(torch, run_cfg.parallelism.ddp_reduce_dtype)
-                wrap_cfg = copy.deepcopy(run_cfg)
-                wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype
-                with _ddp_without_shape_check():
-                    model = apply_ddp(model, wrap_cfg, self.dims)
-                model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
-                model.reducer = _NoBucketRebuild(model.reducer)
-            from titanlite.optim import build_optimizer
-
+            self.model = model = parallelize(model, run_cfg, self.dims, wrap=self._wrap)
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
             # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
             if hasattr(self.optimizer, "update_fn"):
                 self.optimizer.update_fn = functools.partial(_one_pass_update, self.tracker)
-            self.model = model
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
-            self._step(1, WARMUP_SEQ, micro_steps=1)  # optimizer state and DDP buckets exist from here on
+            # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU)
+            autocast = "cpu" if autocasts(run_cfg, world) else None
+            fuse = run_cfg.optimizer.fuse_clip and fused_clip_supported(self.optimizer)
+            self.train_step = TrainStep(
+                model, self.optimizer,
+                make_forward_loss(model, run_cfg.training.loss, autocast, compile_loss=self.compiled),
+                1, run_cfg.training.max_norm, clip_into=self.optimizer if fuse else None,
+                on_nan=run_cfg.training.on_nan, post_update=lambda: float8_post_step(model, run_cfg))
+            # optimizer state and DDP buckets exist from here on (compiled code runs as eager: no compile
+            # for a shape that is never measured)
+            with torch.compiler.set_stance("force_eager"):
+                self._step(1, WARMUP_SEQ, micro_steps=1)
+
+    def _wrap(self, model, cfg, dims):
+        """The mode's wrapper, as parallelize would apply it, fitted to fake tensors."""
+        if MODES[self.mode].shards_params:
+            # shown a CUDA device: FSDP's bf16 parameter policy is a GPU choice
+            return _fsdp(model, cfg, dataclasses.replace(dims, device=torch.device("cuda", 0)), self._mesh)
+        reduce_dtype = getattr(torch, cfg.parallelism.ddp_reduce_dtype)
+        wrap_cfg = copy.deepcopy(cfg)
+        wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype
+        with _ddp_without_shape_check():
+            model = apply_ddp(model, wrap_cfg, dims)
+        model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
+        model.reducer = _NoBucketRebuild(model.reducer)
+        return model
 
     @contextlib.contextmanager
     def _active(self):
         with self.fake_mode, self.tracker, cuda_like_kernels():
             yield
 
-    def _phase(self, phase: str, category: str) -> None:
-        self.tracker.phase, self.tracker.category = phase, category
-
-    def _forward_loss(self, tokens):
-        from titanlite.ops.loss import cross_entropy
-
-        autocast = autocasts(self.cfg, self.world)  # as the trainer on CUDA; the fake tensors run on CPU
-        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            if self.cfg.training.loss == "chunked":  # as Trainer.forward_loss
-                return self.model(tokens, tokens)
-            logits = self.model(tokens)
-        return cross_entropy(logits, tokens)
-
     def _step(self, local_batch: int, seq_len: int, micro_steps: int) -> None:
-        t = self.tracker
-        for micro in range(micro_steps):
-            last = micro == micro_steps - 1
-            tag = "last" if last else "accum"
-            with grad_sync(self.model, last):
-                self._phase(f"fwd_{tag}", "activations")
-                tokens = torch.randint(0, self.args.vocab_size, (local_batch, seq_len))
-                loss = self._forward_loss(tokens) / micro_steps
-                self._phase(f"bwd_{tag}", "temporaries")
-                loss.backward()
-                del loss, tokens
-            # What a backward leaves behind is gradient (plain or, without sync, accumulated unsharded).
-            t.relabel_survivors((f"bwd_{tag}",), "temporaries", "grads")
-        self.model_state = t.breakdown("current")  # params, grads, optimizer state, persistent buffers
-        self._phase("opt", "temporaries")
-        clip_grad_norm(self.model, self.cfg.training.max_norm)
-        self.optimizer.step()
-        float8_post_step(self.model, self.cfg)
-        self.optimizer.zero_grad(set_to_none=True)
-        t.relabel_survivors(("opt",), "temporaries", "optimizer")
-        self._phase("idle", "temporaries")
+        self.train_step.grad_accum = micro_steps
+        vocab = self.args.vocab_size
+
+        def batch(_micro):
+            tokens = torch.randint(0, vocab, (local_batch, seq_len))
+            return tokens, tokens
+
+        self.train_step(batch, self.hooks)
 
     def step(self, local_batch: int, micro_steps: int = 1) -> "StepResult":
         """Peak memory and work of one optimizer step (micro_steps > 1: accumulation, the last syncs)."""
@@ -259,9 +331,10 @@ class FakeRun:
             t.count_work = True
             t.reset_peak()
             self._step(local_batch, self.seq_len, micro_steps)
-            return StepResult(t.peak, t.breakdown("peak"), self.model_state, dict(t.work))
+            return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
 
     def close(self) -> None:
+        self._stack.close()
         if self._own_pg and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -272,3 +345,9 @@ class StepResult:
     breakdown: dict       # category -> bytes at the peak
     model_state: dict     # category -> bytes live after the last backward (before the optimizer step)
     work: dict            # phase -> tracker.PhaseWork
+    phase_peak: dict = dataclasses.field(default_factory=dict)  # phase -> most live bytes in it
+
+    def peak_without_accumulation(self) -> int:
+        """The peak of a step with one micro-batch, from a step of two: the first micro-step runs as the
+        only one would (no gradients held yet), and the optimizer phase is the same."""
+        return max(v for k, v in self.phase_peak.items() if k in ("fwd_accum", "bwd_accum", "opt"))

@@ -1,78 +1,130 @@
-"""Step time, tokens/s and MFU from the work a fake step recorded, under a stated model.
+"""Step time, tokens/s and MFU from the work a fake step recorded, at calibrated rates.
 
-Each phase (forward, backward, per micro-step; optimizer) costs the sum of its kernels on one stream:
-  matmuls      FLOPs / (bf16 peak x gemm_efficiency)      (float8 matmuls at twice the bf16 peak)
-  attention    causal FLOPs / (bf16 peak x the attention kernel's efficiency)
-  memory-bound bytes read + written / (HBM bandwidth x memory_efficiency), times
-               compile_traffic_factor when torch.compile fuses the element-wise chains
-and never less than the host's launch time (ops x launch_us). Collectives cost ring traffic /
+Each phase (forward, backward, per micro-step; optimizer) costs the sum of its terms on one stream:
+  gemm         matmul FLOPs / (bf16 peak x gemm_efficiency); float8 matmuls at twice the peak
+               x float8_efficiency
+  attention    causal FLOPs / (bf16 peak x the attention kernel's rate)
+  elementwise  eager ops' bytes read + written / (HBM x elementwise_efficiency), plus compiled
+               graphs' generated kernels' bytes / (HBM x fused_efficiency)
+  optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
+  gaps         kernels x gap_us, the GPU's idle time between dependent kernels
+and never less than the host's launch time (kernels x launch_us). Collectives cost ring traffic /
 (link bandwidth x link_efficiency). Without overlap a step is compute + communication; with overlap
 the collectives hide behind forward/backward compute except the first all-gather and the last
 gradient reduction, which have nothing to hide behind, and the optimizer phase's collectives.
+
+The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
+measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, field
 
 from titanlite.models.args import mfu_pct
 
-from estimation.hardware import ATTENTION_EFFICIENCY, GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
+from estimation.hardware import GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
+
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
+RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
+         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
+TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
 
 
 @dataclass
 class Assumptions:
     peak_tflops: float
-    gemm_efficiency: float
+    hbm_tbps: float
+    link_gbps: float
     attention_backend: str
     attention_efficiency: float
-    hbm_tbps: float
-    memory_efficiency: float
-    link_gbps: float
+    gemm_efficiency: float
+    float8_efficiency: float
+    elementwise_efficiency: float
+    fused_efficiency: float
+    optimizer_efficiency: float
     link_efficiency: float
-    compile: bool
-    compile_traffic_factor: float
     launch_us: float
+    gap_us: float = 0.0
+    sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
 
 
-def assumptions(est, hw: Hardware, world: int, attention_backend: str, compile: bool) -> Assumptions:
+def load_calibration(path: str = CALIBRATION) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibration: dict | None = None) -> Assumptions:
+    cal = calibration or load_calibration()
     link = hw.link_gbps if world <= GPUS_PER_NODE else min(hw.link_gbps, INTER_NODE_GBPS)
-    return Assumptions(
-        peak_tflops=hw.peak_tflops, gemm_efficiency=est.gemm_efficiency, attention_backend=attention_backend,
-        attention_efficiency=ATTENTION_EFFICIENCY.get(attention_backend, ATTENTION_EFFICIENCY["sdpa"]),
-        hbm_tbps=hw.hbm_tbps, memory_efficiency=est.memory_efficiency, link_gbps=link,
-        link_efficiency=est.link_efficiency, compile=compile, compile_traffic_factor=est.compile_traffic_factor,
-        launch_us=est.launch_us)
+    rates, sources = {}, {}
+    for name in RATES:
+        override = getattr(est, name, 0.0)
+        entry = cal["rates"][name]
+        rates[name] = override if override > 0 else entry["value"]
+        sources[name] = "estimate." + name if override > 0 else _source(entry)
+    att = cal["attention"].get(attention_backend, cal["attention"]["sdpa"])
+    sources["attention_efficiency"] = _source(att)
+    return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=link,
+                       attention_backend=attention_backend, attention_efficiency=att["value"], sources=sources,
+                       **rates)
 
 
-def _phase_times(w, a: Assumptions) -> dict[str, float]:
+def _source(entry: dict) -> str:
+    return f"{entry['source']} ({entry['date']})" if entry.get("date") else entry["source"]
+
+
+def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
     """Seconds per term for one phase's work."""
-    peak = a.peak_tflops * 1e12
-    fused = a.compile_traffic_factor if a.compile else 1.0
+    peak, hbm = a.peak_tflops * 1e12, a.hbm_tbps * 1e12
+    memory = w.memory_bytes / (hbm * (a.optimizer_efficiency if optimizer else a.elementwise_efficiency))
     t = {
-        "matmul": w.matmul_flops / (peak * a.gemm_efficiency) + w.float8_flops / (2 * peak * a.gemm_efficiency),
+        "gemm": w.matmul_flops / (peak * a.gemm_efficiency) + w.float8_flops / (2 * peak * a.float8_efficiency),
         "attention": w.attention_flops / (peak * a.attention_efficiency),
-        "memory_bound": w.memory_bytes * fused / (a.hbm_tbps * 1e12 * a.memory_efficiency),
+        "elementwise": (0.0 if optimizer else memory) + w.fused_bytes / (hbm * a.fused_efficiency),
+        "optimizer": memory if optimizer else 0.0,
     }
-    host = w.ops * fused * a.launch_us * 1e-6
-    t["launch"] = max(0.0, host - sum(t.values()))  # only the part the GPU cannot hide
+    t["gaps"] = w.ops * a.gap_us * 1e-6  # the GPU idles between dependent kernels
+    t["launch"] = max(0.0, w.ops * a.launch_us * 1e-6 - sum(t.values()))  # only what the GPU cannot hide
     comms = [moved / (a.link_gbps * 1e9 * a.link_efficiency) for _, moved, n in w.collectives if n > 1]
     t["comm"] = sum(comms)
     t["comm_edges"] = (comms[0] if comms else 0.0, comms[-1] if comms else 0.0)
     return t
 
 
+def work_totals(work: dict, accum: int) -> dict:
+    """The step's work per term (what each rate divides): FLOPs, bytes, kernels, bytes on the link."""
+    out = dict.fromkeys(("gemm_flops", "float8_flops", "attention_flops", "elementwise_bytes", "fused_bytes",
+                         "optimizer_bytes", "kernels", "comm_bytes"), 0.0)
+    for phase, w in work.items():
+        n = _weights(accum).get(phase, 0)
+        out["gemm_flops"] += n * w.matmul_flops
+        out["float8_flops"] += n * w.float8_flops
+        out["attention_flops"] += n * w.attention_flops
+        out["optimizer_bytes" if phase == "opt" else "elementwise_bytes"] += n * w.memory_bytes
+        out["fused_bytes"] += n * w.fused_bytes
+        out["kernels"] += n * w.ops
+        out["comm_bytes"] += n * sum(moved for _, moved, g in w.collectives if g > 1)
+    return out
+
+
+def _weights(accum: int) -> dict[str, int]:
+    """How often each measured phase runs in a step of `accum` micro-batches."""
+    return {"fwd_accum": accum - 1, "bwd_accum": accum - 1, "fwd_last": 1, "bwd_last": 1, "opt": 1}
+
+
 def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_per_token: float, world: int) -> dict:
     """Predicted step time (with and without overlap), tokens/s, MFU and the dominant term."""
-    weights = {"fwd_accum": accum - 1, "bwd_accum": accum - 1, "fwd_last": 1, "bwd_last": 1, "opt": 1}
-    terms = dict.fromkeys(("matmul", "attention", "memory_bound", "launch"), 0.0)
+    terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
     edges = 0.0
     for phase, w in work.items():
-        n = weights.get(phase, 0)
+        n = _weights(accum).get(phase, 0)
         if not n:
             continue
-        t = _phase_times(w, a)
+        t = _phase_times(w, a, optimizer=phase == "opt")
         compute = sum(t[k] for k in terms)
         for k in terms:
             terms[k] += n * t[k]
@@ -88,7 +140,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
     hidden_comm = max(0.0, comm_fb - edges)
     overlap = max(compute_fb, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
-    terms["comm_exposed"] = overlap - compute_fb - compute_opt
+    terms["comm_exposed"] = max(0.0, overlap - compute_fb - compute_opt)
     terms["comm_total"] = comm_fb + comm_opt
 
     def rate(step_s):
@@ -96,7 +148,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         return {"step_ms": 1000 * step_s, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": tps / world,
                 "mfu_pct": mfu_pct(tps, flops_per_token, world, a.peak_tflops)}
 
-    dominant = max(("matmul", "attention", "memory_bound", "launch", "comm_exposed"), key=lambda k: terms[k])
+    dominant = max((*TERMS, "comm_exposed"), key=lambda k: terms[k])
     return {"overlap": rate(overlap), "no_overlap": rate(no_overlap),
             "terms_ms": {k: 1000 * v for k, v in terms.items()}, "dominant": dominant,
-            "assumptions": asdict(a)}
+            "work": work_totals(work, accum), "assumptions": asdict(a)}

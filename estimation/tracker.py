@@ -12,6 +12,7 @@ for the throughput model.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
 MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
+if hasattr(aten.addmm, "dtype_out"):  # addmm(acc, a, b, out_dtype=, out=acc): a GEMM adding into an fp32 output
+    MATMULS[aten.addmm.dtype_out] = "addmm"
 # c10d op -> (ring traffic factor on the buffer, index of the buffer arg whose bytes count)
 COLLECTIVES = {
     "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
@@ -68,7 +71,8 @@ class PhaseWork:
     matmul_flops: float = 0.0
     float8_flops: float = 0.0
     attention_flops: float = 0.0    # causal FLOPs, forward 2*B*H*S^2*D, backward 2.5x that
-    memory_bytes: float = 0.0       # bytes read + written by every other op
+    memory_bytes: float = 0.0       # bytes read + written by every other eager op
+    fused_bytes: float = 0.0        # bytes read + written by compiled graphs' generated kernels
     ops: int = 0                    # kernels launched
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
 
@@ -89,6 +93,7 @@ class StepTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.peak_blocks: list[tuple[_Block, int]] = []  # (block, its size then)
+        self.phase_peak: dict[str, int] = {}  # phase -> the most live bytes seen in it
         self.category = "params"        # label for storages born now
         self.phase = "setup"
         self.work: dict[str, PhaseWork] = defaultdict(PhaseWork)
@@ -96,6 +101,13 @@ class StepTracker(TorchDispatchMode):
         self._orig_resize = None
         self._orig_meta_prop = None
         self._meta_prop_depth = 0  # > 0: inside DTensor's sharding propagation, not part of the step
+        self._node: tuple[bool, bool] | None = None  # inside a compiled graph: (materialised, library call)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile traces with this mode switched off and runs its compiled graphs under it (see
+        estimation.compiled): the tracker sees what a compiled step runs, not how it was compiled."""
+        return True
 
     # ------------------------------------------------------------------------------ memory
     def _add(self, st, category: str) -> _Block:
@@ -115,6 +127,8 @@ class StepTracker(TorchDispatchMode):
             self.live -= block.nbytes
 
     def _update_peak(self) -> None:
+        if self.live > self.phase_peak.get(self.phase, 0):
+            self.phase_peak[self.phase] = self.live
         if self.live > self.peak:
             self.peak = self.live
             self.peak_blocks = [(b, b.nbytes) for b in self.blocks.values()]  # sizes change (FSDP resizes)
@@ -133,6 +147,7 @@ class StepTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak, self.peak_blocks = self.live, [(b, b.nbytes) for b in self.blocks.values()]
+        self.phase_peak = {}
 
     def breakdown(self, which: str = "peak") -> dict[str, int]:
         blocks = self.peak_blocks if which == "peak" else [(b, b.nbytes) for b in self.blocks.values()]
@@ -183,6 +198,25 @@ class StepTracker(TorchDispatchMode):
             _sharding_propagator()._propagate_tensor_meta_non_cached = self._orig_meta_prop
         return super().__exit__(*exc)
 
+    # ------------------------------------------------------------------------------ compiled graphs
+    @contextlib.contextmanager
+    def compiled_node(self, counted: bool, extern: bool):
+        """Around one node of a compiled graph (estimation.compiled): its outputs take memory only when
+        Inductor materialises them, and only a library call counts as work of its own (the fused
+        kernels' traffic comes from add_kernels)."""
+        self._node = (counted, extern)
+        try:
+            yield
+        finally:
+            self._node = None
+
+    def add_kernels(self, cost) -> None:
+        """A compiled graph's generated kernels: their bytes and launches, once per run of the graph."""
+        if self.count_work:
+            w = self.work[self.phase]
+            w.fused_bytes += cost.kernel_bytes
+            w.ops += cost.kernels
+
     # ------------------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -196,11 +230,13 @@ class StepTracker(TorchDispatchMode):
         if func.namespace == "c10d" and name in COLLECTIVES:
             self._collective(name, args)
         else:
+            counted, extern = self._node or (True, True)
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            for t in flat_out:
-                for st in storages(t):
-                    self._add(st, self.category)
-            if self.count_work:
+            if counted:
+                for t in flat_out:
+                    for st in storages(t):
+                        self._add(st, self.category)
+            if self.count_work and extern:
                 self._work(func, name, args, kwargs, flat_out)
         return out
 
@@ -218,7 +254,7 @@ class StepTracker(TorchDispatchMode):
     def _work(self, func, name: str, args, kwargs, outs) -> None:
         w = self.work[self.phase]
         if func in MATMULS:
-            a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
+            a, b = (args[1], args[2]) if MATMULS[func] == "addmm" else (args[0], args[1])
             w.matmul_flops += 2 * a.numel() * b.shape[-1]
         elif name == "_scaled_mm":
             w.float8_flops += 2 * args[0].numel() * args[1].shape[-1]

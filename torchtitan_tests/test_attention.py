@@ -1,4 +1,4 @@
-"""Attention backends: numerics against `manual`, and the FA3 -> FA2 -> SDPA -> manual fallback chain.
+"""Attention backends: numerics against `manual`, and the FA4 -> FA3 -> FA2 -> SDPA -> manual fallback chain.
 
 The optional packages are made unimportable (sys.modules[name] = None makes `import name` raise
 ImportError) or replaced by small stand-ins, so the chain is exercised on any machine.
@@ -75,9 +75,10 @@ def test_gpu_backends_match_manual(name, hkv):
 # ----------------------------------------------------------------------------------- fallback chain
 @pytest.fixture
 def no_flash(monkeypatch):
-    """Neither flash-attn package can be imported."""
+    """No flash-attn package can be imported."""
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
 
 
 def fake_flash_module(monkeypatch, module: str, returns_tuple: bool):
@@ -94,6 +95,46 @@ def fake_flash_module(monkeypatch, module: str, returns_tuple: bool):
     monkeypatch.setitem(sys.modules, module, mod)
 
 
+def fake_fa4_module(monkeypatch, calls: list | None = None):
+    """A stand-in for flash-attn 4's kernel entry points (flash_attn.cute.interface), written out by hand:
+    causal attention and its log-sum-exp forward, the softmax-attention gradients backward, with K/V
+    kept at their own head count (GQA: each K/V head's gradient sums over the query heads it serves)."""
+
+    def probs(q, k):  # (B, Hq, S, S) fp32 causal softmax, and the log-sum-exp of its logits
+        k = A._repeat_kv(k, q.shape[2] // k.shape[2])
+        s = q.shape[1]
+        scores = torch.einsum("bshd,bthd->bhst", q.float(), k.float()) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        return scores.softmax(-1), scores.logsumexp(-1)
+
+    def _flash_attn_fwd(q, k, v, causal, return_lse):
+        assert causal and return_lse and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        if calls is not None:
+            calls.append(("fwd", k.shape[2]))
+        p, lse = probs(q, k)
+        out = torch.einsum("bhst,bthd->bshd", p, A._repeat_kv(v, q.shape[2] // v.shape[2]).float())
+        return out.to(q.dtype), lse, None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, causal):
+        assert causal and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+        if calls is not None:
+            calls.append(("bwd", k.shape[2]))
+        n_rep = q.shape[2] // k.shape[2]
+        p, _ = probs(q, k)
+        do, vr, kr = dout.float(), A._repeat_kv(v, n_rep).float(), A._repeat_kv(k, n_rep).float()
+        dp = torch.einsum("bshd,bthd->bhst", do, vr)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / q.shape[-1] ** 0.5
+        dq = torch.einsum("bhst,bthd->bshd", ds, kr)
+        dk = torch.einsum("bhst,bshd->bthd", ds, q.float())
+        dv = torch.einsum("bhst,bshd->bthd", p, do)
+        fold = lambda g: g.unflatten(2, (k.shape[2], n_rep)).sum(3)  # query heads -> the K/V head they share
+        return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+    mod = types.ModuleType("flash_attn.cute.interface")
+    mod._flash_attn_fwd, mod._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", mod)
+
+
 @pytest.fixture
 def fake_hopper(monkeypatch):
     """Pretend a compute-capability 9.0 GPU is present (only capability queries are made)."""
@@ -106,7 +147,8 @@ def warnings_of(caplog):
     return [r.message for r in caplog.records if r.name == "titanlite" and r.levelno == logging.WARNING]
 
 
-@pytest.mark.parametrize("requested", ["flash_attn_3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
+@pytest.mark.parametrize("requested", ["flash_attn_4", "flash_attn_3", "flash_attn", "sdpa_cudnn", "sdpa_flash",
+                                       "sdpa_efficient"])
 def test_missing_backends_fall_back_to_sdpa_on_cpu(no_flash, caplog, requested):
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         assert A.resolve_backend(requested, torch.device("cpu")) == "sdpa"
@@ -140,6 +182,79 @@ def test_chain_fa3_fa2_sdpa_with_packages_present_or_missing(monkeypatch, fake_h
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         assert A.resolve_backend("flash_attn_3", fake_hopper) == "sdpa"
     assert len(warnings_of(caplog)) == 1
+
+
+def test_fa4_first_in_the_chain_and_in_auto_only_where_its_row_lists_it(monkeypatch, fake_hopper, caplog):
+    fake_fa4_module(monkeypatch)
+    fake_flash_module(monkeypatch, "flash_attn_interface", returns_tuple=True)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert A.resolve_backend("flash_attn_4", fake_hopper) == "flash_attn_4"
+    # auto follows the measured order of its GPU's row, which does not list flash_attn_4 until measured
+    assert "flash_attn_4" not in A.AUTO_ORDER[9].backends
+    assert A.resolve_backend("auto", fake_hopper) == "flash_attn_3"
+    monkeypatch.setitem(A.AUTO_ORDER, 9, A.AutoOrder(("flash_attn_4", *A.AUTO_ORDER[9].backends), "test"))
+    assert A.resolve_backend("auto", fake_hopper) == "flash_attn_4"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # another GPU's row
+    assert A.auto_order(fake_hopper) == A.AUTO_ORDER[0].backends
+    assert A.resolve_backend("auto", fake_hopper) == "sdpa_flash"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)  # FA4 missing: FA3 runs, one warning
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("flash_attn_4", fake_hopper) == "flash_attn_3"
+    assert len(warnings_of(caplog)) == 1 and "'flash_attn_4'" in warnings_of(caplog)[0]
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA4 and FA3 missing: SDPA runs
+    assert A.resolve_backend("flash_attn_4", fake_hopper) == "sdpa"
+
+
+@pytest.mark.parametrize("capability,available", [((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)])
+def test_fa4_runs_on_hopper_and_blackwell(monkeypatch, fake_hopper, capability, available):
+    fake_fa4_module(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert A.BACKENDS["flash_attn_4"].available(fake_hopper) is available
+    assert not A.BACKENDS["flash_attn_4"].available(torch.device("cpu"))
+
+
+def test_fa4_without_its_kernel_entry_points_counts_as_missing(monkeypatch):
+    mod = types.ModuleType("flash_attn.cute.interface")
+    mod._flash_attn_fwd = lambda *a, **k: None  # no _flash_attn_bwd: another release's layout
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", mod)
+    assert A.FlashAttn4._load() is None
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_fa4_ops_forward_and_backward_match_manual_with_native_gqa(monkeypatch, hkv):
+    """The custom ops hand the kernels K/V at their own head count and route the gradients back."""
+    calls = []
+    fake_fa4_module(monkeypatch, calls)
+    assert_matches_manual("flash_attn_4", *qkv(hkv=hkv), atol=1e-5, rtol=1e-5)
+    assert calls == [("fwd", hkv), ("bwd", hkv)]
+
+
+def test_fa4_compiles_fullgraph_as_one_op_each_way(monkeypatch):
+    """torch.compile(fullgraph=True) traces the block through the ops' fake kernels, forward and
+    backward (aot_eager: AOTAutograd's fake-tensor trace, then eager kernels), and gives eager's
+    values; the forward op in the graph is the one selective activation checkpointing saves."""
+    fake_fa4_module(monkeypatch)
+    attn = A.build_attention("flash_attn_4")
+    fn = lambda q, k, v: attn(q, k, v) * 2
+    q, k, v = qkv(hkv=2)
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    ref, ref_grads = fwd_bwd(fn, q, k, v)
+    out, grads = fwd_bwd(torch.compile(fn, fullgraph=True, backend="aot_eager"), q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=record)(q, k, v)
+    assert "titanlite.flash_attn_4_forward.default" in seen
+    assert isinstance(torch.ops.titanlite.flash_attn_4_forward.default, torch._ops.OpOverload)
 
 
 def test_fa3_is_hopper_only(monkeypatch, fake_hopper):

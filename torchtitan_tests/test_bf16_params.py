@@ -287,7 +287,7 @@ def test_initial_load_gives_the_copies_the_loaded_weights(tmp_path, monkeypatch)
 
 
 def test_captured_iteration_updates_as_the_eager_step(tmp_path):
-    """What training.cuda_graphs captures (CudaGraphStep.iteration) must update like the eager step:
+    """What training.cuda_graphs captures (CudaGraphStep.step_fn) must update like the eager step:
     with MasterAdamW the clip goes into the optimizer (an fp32 norm), not a bf16 rescale of the grads."""
     from titanlite.parallel.cuda_graphs import CudaGraphStep
     from titanlite.train import Trainer
@@ -299,9 +299,8 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
     assert type(captured.optimizer) is MasterAdamW
     try:
         eager.train_step()
-        graph = CudaGraphStep(captured.model, captured.optimizer, captured.forward_loss, 1, 0.1, captured.device, 1,
-                              "none")
-        _, norm = graph.iteration([captured.next_batch()])
+        graph = CudaGraphStep(captured.step, captured.device, 1, "none")
+        norm = graph.step_fn([captured.next_batch()].__getitem__).grad_norm
         assert norm > 0.1  # the clip was active
         for a, b in zip(eager.model.parameters(), captured.model.parameters()):
             assert torch.equal(a, b)

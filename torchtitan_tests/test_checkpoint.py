@@ -161,3 +161,256 @@ def test_unwritable_checkpoint_folder_fails_at_startup(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: checkpoint.folder '{blocker / 'ck'}' is not writable: Not a directory"]
+
+
+# ---------------------------------------------------------------------------------------- lineage
+def test_rollback_then_crash_then_plain_resume_continues_the_new_line(base, tmp_path, monkeypatch):
+    """load_step=4 abandons step-6: it is moved, whole, under abandoned-*/ (one log line). The run then
+    crashes after saving step-5 of the new line; the plain command resumes step-5 (not the abandoned
+    step-6, the newest by number) and gives the uninterrupted run's step-6 loss bit for bit."""
+    folder, expected = copy_run(base, tmp_path)
+    root = folder / "checkpoint"
+
+    calls = []
+    real_step = Trainer.train_step
+
+    def crash_at_second_step(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("crash")  # as if killed: nothing more is written
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_second_step)
+    t = Trainer(load_config(args(folder, "--checkpoint.load_step", "4", "--checkpoint.interval", "1")))
+    with pytest.raises(RuntimeError, match="crash"):
+        t.train()
+    t.close()
+    monkeypatch.undo()
+
+    aside = list(root.glob("abandoned-*"))
+    assert len(aside) == 1 and (aside[0] / "step-6" / "complete.json").exists()
+    assert complete_steps(root) == [5, 4]
+    old_marker = (aside[0] / "step-6" / "complete.json").read_text()
+    # Asking for the abandoned step says where it is.
+    with pytest.raises(ConfigError, match=rf"complete: \[4, 5\]\); {aside[0] / 'step-6'} was set aside by an "
+                                          rf"earlier resume from an earlier step: move it back to {root} to resume it"):
+        Trainer(load_config(args(folder, "--checkpoint.load_step", "6")))
+
+    t = train(folder)  # the plain command
+    assert t.start_step == 5
+    assert losses(t) == {6: expected[6]}
+    assert complete_steps(root) == [6, 5]  # retention (keep 2) kept the new line's newest two
+    assert (aside[0] / "step-6" / "complete.json").read_text() == old_marker  # untouched by retention
+    assert not (root / "rollback.json").exists()
+
+
+def test_rollback_interrupted_while_moving_is_finished_by_the_next_start(base, tmp_path, caplog):
+    """A run killed after recording the rollback but before moving anything: the next start (plain)
+    finishes the move first, so it resumes the step rolled back to, not the abandoned newest."""
+    folder, _ = copy_run(base, tmp_path)
+    root = folder / "checkpoint"
+    (root / "rollback.json").write_text('{"head": 4, "into": "abandoned-x"}')  # what the journal holds then
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        t = Trainer(load_config(args(folder)))
+    t.close()
+    assert t.state.step == 4
+    assert (root / "abandoned-x" / "step-6" / "complete.json").exists() and complete_steps(root) == [4]
+    assert sum("later checkpoints step-6 are moved to" in r.message for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------------------- what is compared
+def test_checkpoint_of_another_model_is_one_line_exit_2(base, tmp_path):
+    """complete.json's model spec is compared before any load: one line naming both models, exit 2,
+    no "unusable ... trying the previous one" chain, nothing moved or deleted."""
+    folder, _ = copy_run(base, tmp_path)
+    before = sorted(p.name for p in (folder / "checkpoint").iterdir())
+    r = subprocess.run([sys.executable, "-m", "titanlite.train", *args(folder, "--model.name", "qwen3")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert error[0].startswith(f"error: checkpoint {folder / 'checkpoint' / 'step-6'} holds model llama/debug")
+    assert error[0].endswith(f"llama/debug, this run builds qwen3/debug: run the checkpoint's model, or use another "
+                             f"checkpoint.folder or job.dump_folder"), error[0]
+    assert "unusable" not in r.stdout + r.stderr
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == before
+    # The same model with another argument: the arguments that differ are named.
+    with pytest.raises(ConfigError, match=r"holds model llama/debug \(vocab_size=\d+\), this run builds "
+                                          r"llama/debug \(vocab_size=4099\)"):
+        Trainer(load_config(args(folder, "--model.vocab_size", "4099")))
+
+
+def test_resume_with_another_global_batch_warns(base, tmp_path, caplog):
+    folder, _ = copy_run(base, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        Trainer(load_config(args(folder, "--checkpoint.load_step", "6"))).close()
+    assert "another schedule" not in caplog.text  # the same settings: silent
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        t = Trainer(load_config(args(folder, "--training.local_batch_size", "4", "--training.steps", "8")))
+    t.close()
+    assert t.state.step == 6
+    warned = [r.message for r in caplog.records if "another schedule" in r.message]
+    assert warned == ["warning: resuming step-6 with another schedule (global_batch 2 -> 4, training.steps 6 -> 8): "
+                      "the lr curve from here on differs from the one the checkpoint was trained on"]
+
+
+# ------------------------------------------------------------------------------------- integrity
+def _overwrite_embedding_rows(step_folder):
+    """64 float32 values in the middle of the embedding's bytes, same file size."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(step_folder)).read_metadata()
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "model.tok_embeddings.weight")
+    path = step_folder / info.relative_path
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(info.offset + info.length // 2 // 4 * 4)
+        f.write(torch.full((64,), 1234.5).numpy().tobytes())
+    assert path.stat().st_size == size
+    return info.relative_path
+
+
+def test_damaged_file_of_the_same_size_is_skipped_and_named(base, tmp_path, caplog):
+    folder, expected = copy_run(base, tmp_path)
+    step6 = folder / "checkpoint" / "step-6"
+    name = _overwrite_embedding_rows(step6)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        t = Trainer(load_config(args(folder)))
+    assert f"step-6 is unusable ({name} is damaged (crc32 " in caplog.text
+    assert t.state.step == 4  # the previous checkpoint
+    t.train()
+    t.close()
+    assert losses(t) == {5: expected[5], 6: expected[6]}
+
+    # export checks the same checksums: one line, exit 2
+    damaged = next((folder / "checkpoint").glob("abandoned-*/step-6"))
+    r = subprocess.run([sys.executable, "-m", "titanlite.checkpoint.export", "--checkpoint", str(damaged),
+                        "--output", str(tmp_path / "hf")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint {damaged} is damaged: {name} is damaged (crc32 ")
+    assert not (tmp_path / "hf").exists()
+
+
+# -------------------------------------------------------------------------------------- no pickle
+def test_per_rank_state_is_json_and_safetensors_and_never_unpickled(base, tmp_path, caplog):
+    """titanlite's state (loader, RNG, scheduler, step) is rank_<r>.json + rank_<r>.safetensors; DCP
+    holds only model and optimizer. A pickle put in place of the safetensors file (with the marker's
+    size and checksum updated, as a forger would) is refused, never run."""
+    import json
+
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder, _ = copy_run(base, tmp_path)
+    step6 = folder / "checkpoint" / "step-6"
+    doc = json.loads((step6 / "rank_0.json").read_text())
+    assert doc["state"]["per_rank"]["dataloader"]["position"] == 6 * 2
+    with safe_open(str(step6 / "rank_0.safetensors"), "pt") as f:
+        assert len(list(f.keys())) >= 2  # the torch and numpy RNG states
+    keys = FileSystemReader(str(step6)).read_metadata().state_dict_metadata
+    assert keys and all(k.startswith(("model.", "optimizer.")) for k in keys)
+
+    from titanlite.checkpoint.integrity import file_checksum
+
+    sentinel = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (sentinel.touch, ())
+
+    torch.save({"x": Payload()}, step6 / "rank_0.safetensors")
+    marker = json.loads((step6 / "complete.json").read_text())
+    marker["files"]["rank_0.safetensors"] = (step6 / "rank_0.safetensors").stat().st_size
+    marker["crc32"]["rank_0.safetensors"] = file_checksum(step6 / "rank_0.safetensors")
+    (step6 / "complete.json").write_text(json.dumps(marker))
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        t = Trainer(load_config(args(folder)))
+    t.close()
+    assert "step-6 is unusable (ValueError: rank_0.safetensors: " in caplog.text
+    assert t.state.step == 4 and not sentinel.exists()
+
+
+# ------------------------------------------------------------------------------------- save failure
+def _small_tmpfs(path, size: int) -> bool:
+    """Mount a tmpfs of `size` bytes at path (root only, where mounting is allowed)."""
+    import os
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(base, tmp_path, monkeypatch, capsys):
+    """The second save hits a full disk (a tmpfs with room for one checkpoint where mounting is
+    possible, else an injected ENOSPC): one line naming the cause, exit 1, step-2 intact and loadable,
+    no step-4 folder left."""
+    import errno
+
+    from titanlite import train as train_module
+
+    one = sum(p.stat().st_size for p in (base[0] / "checkpoint" / "step-6").iterdir())
+    disk = tmp_path / "disk"
+    mounted = _small_tmpfs(disk, int(one * 1.6))
+    if not mounted:
+        from titanlite.checkpoint import writer
+
+        disk.mkdir(exist_ok=True)
+        real_write = writer._RememberingStream.write
+
+        def write(self, data):
+            if "step-4" in str(self._stream.name):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(self, data)
+
+        monkeypatch.setattr(writer._RememberingStream, "write", write)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            train_module.main(args(disk, "--training.steps", "4", "--checkpoint.keep_latest_k", "3"))
+        assert exit_.value.code == 1
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            f"error: checkpoint step-4 could not be saved: No space left on device: {disk / 'checkpoint' / 'step-4'}; "
+            f"training stopped, earlier checkpoints are kept (newest: step-2)"], err[-2000:]
+        assert "Traceback" not in err and "inline_container" not in err
+        root = disk / "checkpoint"
+        assert sorted(p.name for p in root.iterdir()) == ["step-2"] and complete_steps(root) == [2]
+        t = Trainer(load_config(args(tmp_path / "other", "--checkpoint.folder", str(root))))
+        assert t.state.step == 2  # intact: sizes, checksums and DCP all pass
+        t.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_state_encoding_round_trips_exactly(tmp_path):
+    """What titanlite's per-rank objects hold comes back equal and of the same types: tuples (the RNG
+    states), dicts with non-string keys, numpy arrays, tensors of any dtype, NaN, big ints, nested None."""
+    import math
+    import random
+
+    import numpy as np
+
+    from titanlite.checkpoint.state_file import EncodedState, read_state
+
+    random.seed(3)
+    state = {"python": random.getstate(), "numpy": np.random.RandomState(5).get_state(),
+             "torch": torch.get_rng_state(), "bf16": torch.randn(3, 2).bfloat16(), "ids": {0: "a", (1, 2): None},
+             "loader": {"_snapshot": {"worker_0": {"k": 2**63 + 5, "x": [0.1, float("nan"), -0.0]}}},
+             "__tuple__": "a key that looks like a tag"}
+    EncodedState(0, state).write(tmp_path, {})
+    back = read_state(tmp_path, 0)
+    assert back["python"] == state["python"] and isinstance(back["python"][1], tuple)
+    random.setstate(back["python"])  # accepted as is
+    assert back["numpy"][0] == "MT19937" and np.array_equal(back["numpy"][1], state["numpy"][1])
+    assert back["numpy"][1].dtype == state["numpy"][1].dtype and back["numpy"][2:] == state["numpy"][2:]
+    assert torch.equal(back["torch"], state["torch"]) and back["bf16"].dtype == torch.bfloat16
+    assert torch.equal(back["bf16"], state["bf16"])
+    assert back["ids"] == {0: "a", (1, 2): None}
+    x = back["loader"]["_snapshot"]["worker_0"]["x"]
+    assert back["loader"]["_snapshot"]["worker_0"]["k"] == 2**63 + 5 and x[0] == 0.1 and math.isnan(x[1])
+    assert math.copysign(1, x[2]) == -1 and back["__tuple__"] == state["__tuple__"]
+    with pytest.raises(TypeError, match="a object cannot be stored"):
+        EncodedState(0, {"x": object()})

@@ -165,3 +165,37 @@ def test_sigterm_saves_loadable_checkpoint(tmp_cache):
                                  str(tmp_cache / "checkpoint"), "--checkpoint.load_step", str(step), local_batch=4)))
     assert t.state.step == step and t.state.tokens_seen == step * 4 * 32
     t.close()
+
+
+def test_rollback_and_damage_with_two_ranks(tmp_cache):
+    """fsdp on 2 ranks: load_step=4 moves steps 6 and 8 aside (rank 0 moves them, rank 1 waits) and
+    trains them again bit for bit. Then a file that rank 1 checks (the ranks share the checksum
+    reading) is damaged in the new step-8: both ranks skip it, resume step-6 and train 7 and 8 again,
+    with the same losses."""
+    def cmd(*extra):
+        return torchrun(*args(tmp_cache, "--parallelism.data_parallel", "fsdp", *extra))
+
+    run(cmd())
+    first = losses_by_step(run_logs(tmp_cache)[0])
+    root = tmp_cache / "checkpoint"
+    assert {"rank_0.json", "rank_1.json", "rank_0.safetensors", "rank_1.safetensors"} <= {
+        p.name for p in (root / "step-8").iterdir()}
+    time.sleep(1.1)  # run logs are stamped to the second
+
+    r = run(cmd("--checkpoint.load_step", "4"))
+    aside = list(root.glob("abandoned-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step-6", "step-8"]
+    assert (r.stdout + r.stderr).count("later checkpoints step-6, step-8 are moved to") == 1
+    assert losses_by_step(run_logs(tmp_cache)[-1]) == {s: first[s] for s in (5, 6, 7, 8)}
+    time.sleep(1.1)
+
+    marker = json.loads((root / "step-8" / "complete.json").read_text())
+    damaged = sorted(marker["crc32"])[1::2][0]  # the first file of rank 1's share
+    path = root / "step-8" / damaged
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 256] = bytes(256)
+    path.write_bytes(bytes(data))
+    r = run(cmd())
+    assert f"step-8 is unusable ({damaged} is damaged (crc32 " in r.stdout + r.stderr, r.stdout[-3000:]
+    assert re.search(r"resumed from checkpoint .*step-6 \(step 6\)", r.stdout + r.stderr)
+    assert losses_by_step(run_logs(tmp_cache)[-1]) == {7: first[7], 8: first[8]}

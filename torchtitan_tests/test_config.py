@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -91,3 +92,164 @@ def test_several_ranks_need_a_data_parallel_mode():
     r = subprocess.run(["./run_train.sh", "--parallelism.data_parallel", "none"], capture_output=True, text=True,
                        cwd=ROOT, env={**__import__("os").environ, "NGPU": "2"})
     assert r.returncode == 2 and "parallelism.data_parallel=none with 2 ranks" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--optimizer.lr", "nan"], ["--optimizer.lr=inf"], ["--training.max_norm", "-inf"],
+                                  ["--optimizer.eps", "1e999"], ["--lr_scheduler.decay_ratio", "NaN"]])
+def test_non_finite_numbers_are_refused(argv):
+    """nan passes every bound check (nan < lo is False), inf most: both are refused as not finite."""
+    with pytest.raises(ConfigError, match=r"expects a finite number") as e:
+        load_config(argv)
+    assert argv[0].lstrip("-").split("=")[0] in str(e.value) and "\n" not in str(e.value)
+
+
+def test_non_finite_number_in_toml(tmp_path):
+    p = tmp_path / "nan.toml"
+    p.write_text("[optimizer]\nlr = nan\n")
+    with pytest.raises(ConfigError, match=r"nan.toml: optimizer.lr expects a finite number"):
+        load_config(["--job.config_file", str(p)])
+    p.write_text(f"[optimizer]\nlr = {10**400}\n")
+    with pytest.raises(ConfigError, match=r"nan.toml: optimizer.lr expects a number"):
+        load_config(["--job.config_file", str(p)])
+
+
+def test_config_file_inside_a_config_file_is_refused(tmp_path):
+    """One file is read: a config_file key inside it would be silently ignored, so it is refused."""
+    (tmp_path / "base.toml").write_text("[training]\nsteps = 3\n")
+    p = tmp_path / "child.toml"
+    p.write_text(f'[job]\nconfig_file = "{tmp_path / "base.toml"}"\n')
+    with pytest.raises(ConfigError, match=r"child.toml: job.config_file cannot be set inside a config file"):
+        load_config(["--job.config_file", str(p)])
+    # the resolved config a run writes (run_*_config.toml) names its source only in a comment: it loads
+    cfg = load_config(["--job.config_file", DEBUG])
+    text = to_toml(cfg)
+    assert f'# config_file = "{DEBUG}"' in text
+    p.write_text(text)
+    assert load_config(["--job.config_file", str(p)]).training == cfg.training
+
+
+def test_config_file_is_found_from_any_folder(tmp_path, monkeypatch):
+    """Relative to the working directory first; the shipped train_configs/ names from the repository."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 5\n")
+    cfg = load_config(["--job.config_file", "mine.toml"])
+    assert cfg.training.steps == 5 and cfg.job.config_file == str(tmp_path / "mine.toml")
+    cfg = load_config(["--job.config_file", "train_configs/debug_model.toml"])
+    assert cfg.training.seq_len == 256 and cfg.job.config_file == DEBUG
+    (tmp_path / "train_configs").mkdir()
+    (tmp_path / "train_configs" / "debug_model.toml").write_text("[training]\nseq_len = 64\n")
+    assert load_config(["--job.config_file", "train_configs/debug_model.toml"]).training.seq_len == 64  # yours wins
+    with pytest.raises(ConfigError, match=r"config file not found: nope.toml \(looked in .* and .*\)"):
+        load_config(["--job.config_file", "nope.toml"])
+
+
+@pytest.mark.parametrize("ngpu", ["abc", "0", "-2", "1.5"])
+def test_run_train_sh_bad_ngpu(ngpu):
+    r = subprocess.run(["./run_train.sh", "--training.steps", "1"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "NGPU": ngpu}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: NGPU must be a positive number of processes on this node; "
+                                             f"got '{ngpu}'"]
+
+
+# A stand-in for the interpreter run_train.sh is given (PYTHON=...): it records what would install
+# (pip) or launch (torchrun) instead of doing it, and hands every other call to a real interpreter.
+STUB = """#!/usr/bin/env bash
+if [ "$1 $2" = "-m pip" ]; then
+  echo "${@:3}" >> "$STUB_LOG"
+  case "$3" in
+    index) echo "Available versions: $STUB_TORCH_VERSIONS"; exit 0 ;;
+    install) [[ "${*:4}" == $STUB_FAIL ]] && exit 1; exit 0 ;;
+  esac
+  exit 0
+fi
+if [ "$1 $2" = "-m torch.distributed.run" ]; then env > "$STUB_ENV"; exit 0; fi
+exec "$STUB_REAL" "$@"
+"""
+
+
+def stub_python(folder, real: str):
+    stub = folder / "python"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    return {"PYTHON": str(stub), "STUB_REAL": real, "STUB_LOG": str(folder / "pip.log"),
+            "STUB_ENV": str(folder / "torchrun.env")}
+
+
+@pytest.fixture(scope="module")
+def empty_venv(tmp_path_factory):
+    """An interpreter with nothing installed but pip (the state of a fresh virtualenv)."""
+    folder = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(folder / "v")], check=True, timeout=300)
+    return str(folder / "v" / "bin" / "python")
+
+
+def fake_nvidia_smi(folder, gpus: int) -> dict:
+    (folder / "bin").mkdir(exist_ok=True)
+    smi = folder / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n"
+                                           for i in range(gpus)) + ("exit 0\n" if gpus else "exit 9\n"))
+    smi.chmod(0o755)
+    return {"PATH": f"{folder / 'bin'}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("gpus, versions, torch_spec, expected", [
+    (0, "2.14.0, 2.13.0+cpu, 2.13.0, 2.12.0+cpu", "", "install torch==2.13.0+cpu"),  # a CPU build pip offers
+    (0, "2.14.0, 2.13.0", "", "install torch --index-url https://download.pytorch.org/whl/cpu"),
+    (2, "2.14.0, 2.13.0+cpu", "", "install torch"),  # PyPI's CUDA build where there is a GPU
+    (0, "2.14.0, 2.13.0+cpu", "torch==2.11.0 --index-url https://example.org/whl/cu128",
+     "install torch==2.11.0 --index-url https://example.org/whl/cu128"),
+])
+def test_run_train_sh_installs_what_is_missing(tmp_path, empty_venv, gpus, versions, torch_spec, expected):
+    """From the repository folder, where `import titanlite` succeeds without any install, an interpreter
+    lacking torch and numpy gets torch (a CPU build on a machine without an NVIDIA GPU, never PyPI's
+    CUDA build), then titanlite with the rest of its dependencies."""
+    env = {**os.environ, **stub_python(tmp_path, empty_venv), **fake_nvidia_smi(tmp_path, gpus),
+           "STUB_TORCH_VERSIONS": versions, "TORCH_SPEC": torch_spec, "STUB_FAIL": "-e *"}
+    r = subprocess.run(["./run_train.sh"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    installs = [line for line in (tmp_path / "pip.log").read_text().splitlines() if line.startswith("install")]
+    assert installs == [expected, f"install -e {ROOT}"], r.stderr
+    lacking = next(line for line in r.stderr.splitlines() if " lacks: " in line)
+    assert {"torch", "numpy", "tokenizers"} <= set(lacking.split(" lacks: ")[1].split())
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: pip install -e {ROOT} failed (see above); TITANLITE_INSTALL=0 runs {tmp_path / 'python'} as it is")
+
+
+def test_run_train_sh_install_off(tmp_path, empty_venv):
+    """TITANLITE_INSTALL=0: no check and no pip, whatever the interpreter lacks (a machine set up by hand)."""
+    env = {**os.environ, **stub_python(tmp_path, empty_venv), "TITANLITE_INSTALL": "0"}
+    r = subprocess.run(["./run_train.sh"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode != 0 and "No module named" in r.stderr  # the run itself meets what is missing
+    assert not (tmp_path / "pip.log").exists()
+
+
+def test_run_train_sh_installs_nothing_present_and_sets_no_nccl_variable(tmp_path):
+    """With every dependency present pip never runs; a multi-process launch gets the caller's
+    environment with no NCCL_* variable added (those are the cluster owner's to choose)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+    env.update(stub_python(tmp_path, sys.executable), NGPU="2")
+    r = subprocess.run(["./run_train.sh", "--parallelism.data_parallel", "ddp"], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "pip.log").exists()
+    launched = dict(line.split("=", 1) for line in (tmp_path / "torchrun.env").read_text().splitlines() if "=" in line)
+    assert launched["STUB_REAL"] == sys.executable  # it is the launch's environment
+    assert [k for k in launched if k.startswith("NCCL_")] == []
+
+
+def test_missing_deps_checks_versions_and_markers():
+    """What run_train.sh installs from: absent and too-old requirements; one whose marker excludes this
+    interpreter is not asked for."""
+    import importlib.metadata
+
+    from titanlite.tools.missing_deps import missing
+
+    installed = {"torch": "2.10.0", "numpy": "2.1.0"}
+
+    def version_of(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    reqs = ["torch>=2.11", "numpy>=1.24", "tqdm>=4.60", "tomli>=2.0; python_version < '3.0'"]
+    assert missing(reqs, version_of) == ["torch>=2.11 (found 2.10.0)", "tqdm"]

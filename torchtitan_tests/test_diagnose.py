@@ -72,7 +72,7 @@ def kinds(rep):
 
 @pytest.mark.parametrize("with_breakdown", [False, True])
 def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
-    """The issue's report: same per-GPU work at 2 and 8 B200s, the same logged aggregate tokens/s (MFU
+    """The users' 2 -> 8 GPU report: same per-GPU work at 2 and 8 B200s, the same logged aggregate tokens/s (MFU
     falls 4x), the step grows far more than 4x tokens explain, identical memory, and the logged
     tokens/s disagrees with tokens per step / step time."""
     two = 2 * 8 * 4 * 2048 / 1.0  # tokens/s at 2 GPUs with a 1.0 s step
@@ -186,6 +186,115 @@ def test_flat_rank0_breakdown_is_read(tmp_path):
     assert sorted(run.rank_phases) == [0] and run.phase("data", 0) == pytest.approx(45, rel=0.02)
     rep = report(tmp_path, a, b)
     assert rep["verdict"] == "data_stall"
+
+
+def test_warmup_only_log_gives_no_stall(tmp_path):
+    """The 8-GPU log holds only its first entry (start-up and compilation, 5x a step): no compute_stall,
+    a verdict that says too little was logged, low confidence with the reason."""
+    a = make_log(tmp_path / "a.json", 2, 1000.0)
+    b = make_log(tmp_path / "b.json", 8, 1000.0, entries=1)
+    rep = report(tmp_path, a, b)
+    assert kinds(rep) == ["insufficient_data"] and "8 GPUs (last iter 1)" in rep["summary"]
+    assert rep["confidence"] == "low" and any("every logged entry is warm-up" in r for r in rep["confidence_reasons"])
+
+
+def test_one_steady_entry_still_gives_a_verdict(tmp_path):
+    """Iters 1 and 10: one steady entry each. The stall is still found, with the confidence lowered and why."""
+    a = make_log(tmp_path / "a.json", 2, 1000.0, entries=2)
+    b = make_log(tmp_path / "b.json", 8, 3000.0, entries=2)
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] == "compute_stall" and all(r["steady_entries"] == 1 for r in rep["runs"])
+    assert rep["confidence"] == "low"
+    assert [r for r in rep["confidence_reasons"] if "1 steady log entry" in r and "jitter" in r]
+    c = make_log(tmp_path / "c.json", 2, 1000.0, entries=3)  # iters 1, 10, 20: two steady entries
+    d = make_log(tmp_path / "d.json", 8, 1000.0, entries=3)
+    rep = report(tmp_path, c, d)
+    assert rep["confidence"] == "medium" and all("2 steady log entries" in r for r in rep["confidence_reasons"])
+
+
+def test_log_without_step_time_still_gives_a_verdict(tmp_path):
+    """One log of the pair has no time per iteration: its step time comes from its logged rate, the
+    verdict stands (the same as with the time), and the confidence says why it is lower."""
+    a = make_log(tmp_path / "a.json", 2, 1000.0)
+    b = make_log(tmp_path / "b.json", 8, 3000.0)
+    with_time = report(tmp_path, a, b)
+    log = json.loads((tmp_path / "b.json").read_text())
+    for e in log["training_iterations"]:
+        del e["time_ms"]
+    (tmp_path / "b.json").write_text(json.dumps(log))
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] == with_time["verdict"] == "compute_stall"
+    assert rep["reconstruction"]["runs"][1]["step_time"] == "derived from the logged rate"
+    assert rep["reconstruction"]["runs"][1]["step_ms"] == pytest.approx(3000.0, rel=0.02)
+    assert rep["confidence"] == "medium" and rep["confidence_reasons"] == [
+        "8 GPUs: no time per iteration in the log, so its step time is derived from its logged tokens/s, which no "
+        "clock can check"]
+    assert with_time["confidence"] == "high" and with_time["confidence_reasons"] == []
+
+
+def test_single_log_is_a_single_run_report(tmp_path):
+    a = make_log(tmp_path / "a.json", 8, 1000.0)
+    rep = report(tmp_path, a)
+    assert kinds(rep) == ["healthy"] and rep["summary"].startswith("One run (8 GPUs)") and "no scaling claim" in rep["summary"]
+    assert rep["scaling_efficiency"]["mode"] == "single_run"
+    assert [r["efficiency"] for r in rep["scaling_efficiency"]["runs"]] == [None]
+    assert rep["reconstruction"]["scaling_efficiency"] is None and rep["like_for_like"] == []
+    assert "single-run report, no scaling claim" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_same_log_twice_is_refused(tmp_path):
+    a = make_log(tmp_path / "a.json", 2, 1000.0)
+    (tmp_path / "copy.json").write_text((tmp_path / "a.json").read_text())
+    for second, words in ((a, "are the same file"), (str(tmp_path / "copy.json"), "are identical logs")):
+        r = run_cli(a, second, "--out", str(tmp_path / "x"))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr and a in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+DOCS = ROOT / "docs"
+
+
+def rebuilt_gpu_log(path, real: dict, run: dict):
+    """A run log of the docs' H200 study rebuilt from its report's inputs (world size, step time,
+    fastest-rank phases, logged MFU and memory of the steady state), on the real 2-GPU log's start-up
+    info: the other runs' logs were not kept, their reports were."""
+    log = json.loads(json.dumps(real))
+    w, cfg = run["world_size"], log["startup_info"]["config"]
+    cfg.update(world_size=w, global_batch_size=run["global_batch"], data_parallel="ddp" if w > 1 else "none")
+    log["startup_info"]["hardware"]["count"] = w
+    its = []
+    for it in (1, 5, 10, 15, 20, 25):
+        t = run["step_ms"] * (40 if it == 1 else 1)  # the first entry holds compilation
+        ranks = [{"rank": r, "step_ms": t, **{f"{p}_ms": v for p, v in run["phases_ms_fastest_rank"].items()}}
+                 for r in range(w)]
+        its.append({"iter": it, "loss": 10.5, "time_ms": t, "tokens_per_sec": run["tokens_per_sec"] * run["step_ms"] / t,
+                    "tokens_per_sec_per_gpu": run["tokens_per_sec"] * run["step_ms"] / t / w,
+                    "tflops": run["tokens_per_sec"] * 8341802496 / 1e12 * run["step_ms"] / t,
+                    "mfu": run["mfu_logged"] * run["step_ms"] / t, "memory_peak_gb": run["memory_peak_gb"],
+                    "tokens_seen": it * run["global_batch"] * 2048,
+                    "breakdown": {"ranks": ranks, "method": "cuda_events", "slowest_rank": 0}})
+    log["training_iterations"] = its
+    path.write_text(json.dumps(log))
+    return str(path)
+
+
+@pytest.mark.parametrize("study,verdict,effs", [("clean", "healthy", [1.0, 0.885, 0.878]),
+                                                ("stall", "compute_stall", [1.0, 0.885, 0.527])])
+def test_gpu_reports_keep_their_verdicts(tmp_path, study, verdict, effs):
+    """docs/diagnosis' 1 -> 2 -> 4 x H200 study: the real 2-GPU run log (docs/observability) and the
+    1- and 4-GPU logs rebuilt from the report's inputs give the published verdict and efficiencies,
+    and the reconstruction reads every log as it says (dense peak, titanlite's FLOPs convention)."""
+    real_path = DOCS / "observability" / "llama1.36b_ddp_2xh200.json"
+    published = json.loads((DOCS / "diagnosis" / f"h200_1_2_4_{study}" / "report.json").read_text())
+    real = json.loads(real_path.read_text())
+    logs = [rebuilt_gpu_log(tmp_path / f"{r['world_size']}.json", real, r) if r["world_size"] != 2 else str(real_path)
+            for r in published["runs"]]
+    rep = report(tmp_path, *logs)
+    assert rep["verdict"] == verdict == published["verdict"]
+    assert [r["efficiency"] for r in rep["scaling_efficiency"]["runs"]] == pytest.approx(effs, abs=0.002)
+    assert all(r["reading"] == [] and r["plausibility"] == "possible" for r in rep["reconstruction"]["runs"])
+    assert [r["mfu_dense_pct"] for r in rep["reconstruction"]["runs"]] == pytest.approx(
+        [r["mfu_logged"] for r in published["runs"]], rel=0.01)
 
 
 def run_cli(*args):

@@ -3,22 +3,20 @@
 One set of worker processes per world size trains several tiny jobs in turn in the same process
 group (start-up is most of the cost on 2 cores). Every process uses one thread.
 
-Why the 'healthy' pair is two clean 1-process runs: on a 2-core machine shared with other work, a
-1 -> 2 process comparison is itself a compute stall whenever anything else runs, so it cannot be a
-test of 'healthy'. Nor can two clean 2-process runs: measured on the 2-vCPU CI machine, one rank's
-own work (compute, no waits) is 1.25-1.7x the other's for a whole run in about a third of such runs,
-left to the scheduler, with the ranks pinned to one core each, and with both on the same core (the
-two vCPUs run at unequal speeds, and time-sliced ranks lock into a fixed order). That rank really is slower, so 'straggler' is
-the right answer there, not a false alarm. Two clean 1-process runs are like for like with no rank
-to differ: 0 findings other than 'healthy' in 24 of 24 pairs. Each run records the share of its
-wall time it spent on the CPU; a pair where other work took the core (share < 90%) is skipped.
-Healthy multi-rank logs are covered by test_diagnose.py. Scaling across world sizes is tested with
-the shared-device fault: 4 ranks pinned to one core against a 1-rank baseline.
+The 'healthy' verdict is tested on a recorded pair of clean 1-process runs
+(torchtitan_tests/data/diagnose/clean_1proc_*.json, two runs of the JOBS[1]["clean1"] job, titanlite
+run logs as written): a live pair on a 2-core machine shared with other work is itself a compute
+stall whenever anything else takes a core from one run and not the other, and the tool rightly says
+so; two clean 2-process runs are no better (one rank's own work is often 1.25-1.7x the other's for a
+whole run: a real straggler). The recorded pair keeps the check that real clean logs draw no false
+alarm, whatever the machine's load. Healthy multi-rank logs are covered by test_diagnose.py. Scaling
+across world sizes is tested with the shared-device fault: 4 ranks pinned to one core against a
+1-rank baseline.
 """
 
 import json
 import os
-import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ BASE = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--traini
         "--metrics.progress_bar=false", "--parallelism.data_parallel", "ddp", "--lr_scheduler.warmup_steps", "2"]
 
 JOBS = {
-    1: {"clean1": [], "clean1b": [], "seq64": ["--training.seq_len", "64"]},
+    1: {"clean1": [], "seq64": ["--training.seq_len", "64"]},
     2: {"clean_a": [], "clean_b": [],
         "straggler": ["--debug.inject_compute_matmuls", "80", "--debug.inject_matmul_size", "512", "--debug.inject_rank", "1"],
         "data": ["--debug.inject_data_delay_ms", "60"],
@@ -53,14 +51,10 @@ def _worker(rank, world, port, jobs):
 
     for folder, extra in jobs:
         trainer = Trainer(load_config(BASE + ["--job.dump_folder", folder] + extra))
-        wall, cpu = time.perf_counter(), time.process_time()
         trainer.train()
-        share = (time.process_time() - cpu) / (time.perf_counter() - wall)
         # freed now, as a temporary was before: a DDP model outliving destroy_process_group() below
         # can hang its rank while the process exits
         del trainer
-        with open(os.path.join(folder, f"cpu_share_rank{rank}.json"), "w") as f:
-            json.dump({"cpu_share": share}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -79,17 +73,6 @@ def logs(tmp_path_factory):
 
 def oversubscribed() -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1)
-
-
-def starved(*logs, limit: float = 0.9) -> str:
-    """Which of these 1-process runs spent less than `limit` of its wall time on the CPU (other work
-    took the core from it): such a run is slower for a reason outside the run."""
-    for log in logs:
-        for p in sorted(log.parent.glob("cpu_share_rank*.json")):
-            share = json.loads(p.read_text())["cpu_share"]
-            if share < limit:
-                return f"{log.parent.name} ran on the CPU {share:.0%} of its wall time"
-    return ""
 
 
 def assert_diagnosed(rep, kind):
@@ -112,17 +95,16 @@ def check(tmp_path, *logs):
     return rep
 
 
-def test_healthy_clean_pair(logs, tmp_path):
-    if oversubscribed():
-        # other work on this machine slows one run and not the other: the tool then reports a real
-        # stall, and 'healthy' is not the right answer to test for
-        pytest.skip(f"CPU oversubscribed by other work (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    if why := starved(logs["clean1"], logs["clean1b"]):
-        pytest.skip(f"not like for like: {why}")
-    rep = check(tmp_path, logs["clean1"], logs["clean1b"])
+def test_healthy_clean_pair(tmp_path):
+    """Two recorded clean runs of the same job: healthy, like for like, every log self-consistent,
+    each read as it says."""
+    recorded = sorted((Path(__file__).parent / "data" / "diagnose").glob("clean_1proc_*.json"))
+    assert len(recorded) == 2
+    rep = check(tmp_path, *recorded)
     assert [f["kind"] for f in rep["findings"]] == ["healthy"], rep["findings"]
     assert rep["scaling_efficiency"]["mode"] == "same_world_size"
     assert all(c["ok"] for checks in rep["self_consistency"].values() for c in checks)
+    assert all(r["reading"] == [] for r in rep["reconstruction"]["runs"]) and rep["confidence"] == "high"
 
 
 def test_shared_device_is_a_compute_stall(logs, tmp_path):

@@ -151,9 +151,9 @@ def test_throughput_model_consistency():
     from estimation.throughput import Assumptions, predict
     from estimation.tracker import PhaseWork
 
-    a = Assumptions(peak_tflops=1000, gemm_efficiency=0.5, attention_backend="sdpa_cudnn", attention_efficiency=0.25,
-                    hbm_tbps=2.0, memory_efficiency=0.5, link_gbps=100, link_efficiency=1.0, compile=False,
-                    compile_traffic_factor=0.5, launch_us=0.0)
+    a = Assumptions(peak_tflops=1000, hbm_tbps=2.0, link_gbps=100, attention_backend="sdpa_cudnn",
+                    attention_efficiency=0.25, gemm_efficiency=0.5, float8_efficiency=0.5, elementwise_efficiency=0.5,
+                    fused_efficiency=0.5, optimizer_efficiency=0.5, link_efficiency=1.0, launch_us=0.0)
     coll = [("_allgather_base_", 1e9, 8)] * 4  # 10 ms each at 100 GB/s
     work = {"fwd_last": PhaseWork(matmul_flops=5e12, collectives=coll),        # 10 ms of matmul
             "bwd_last": PhaseWork(matmul_flops=10e12, attention_flops=2.5e12, collectives=coll),  # 20 + 10

@@ -14,7 +14,8 @@ import torch.nn as nn
 from titanlite.config import load_config
 from titanlite.metrics.breakdown import rank_breakdown, summarize
 from titanlite.metrics.console import Console
-from titanlite.metrics.run_log import RunLog
+from titanlite.metrics import run_log
+from titanlite.metrics.run_log import RunLog, RunLogError, load, steady
 from titanlite.metrics.timing import StepTimer
 from titanlite.train import Trainer
 
@@ -38,8 +39,14 @@ def test_logged_figures_agree_on_a_real_run(tmp_cache):
     cfg = load_config(TINY + ["--training.steps", "5", "--training.global_batch_size", "4", "--metrics.log_freq", "2",
                               "--metrics.peak_tflops", "0.05", "--job.dump_folder", str(tmp_cache)])
     t = Trainer(cfg)
-    t.train()
+    summary = t.train()
     log = json.loads(t.run_log.path.read_text())  # what is on disk, not the in-memory copy
+    # the end-of-run summary is the run log's one rule over the steady entries (iter 1 is warm-up here)
+    steady_its = log["training_iterations"][1:]
+    assert summary == log["summary"] == {"steps": 5, **run_log.summarize(log["training_iterations"],
+                                                                                 log["startup_info"]["config"])}
+    assert summary["tokens_per_sec"] == round(sum(e["tokens_per_sec"] for e in steady_its) / 3)
+    assert None not in summary.values() and "val_loss" not in summary
     c = log["startup_info"]["config"]
     assert (c["world_size"], c["batch_size"], c["gradient_accumulation_steps"]) == (1, 2, 2)
     for key in ("compile", "use_cuda_graphs", "use_dataloader"):
@@ -94,6 +101,54 @@ def test_run_log_one_line_and_unique_names(tmp_path):
     a.append({"iter": 1, "mfu": 1.5})
     lines = a.path.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[-1])["training_iterations"][0]["mfu"] == 1.5  # `tail -1` parses
+
+
+def _its(iters, **extra):
+    return [{"iter": i, "loss": 3.0, "time_ms": 100.0 + i, "tokens_per_sec": 1000.0 * i, "mfu": None,
+             "memory_peak_gb": float(i), **extra} for i in iters]
+
+
+def test_one_steady_state_rule():
+    """iter <= max(1, 10% of the last iter) is warm-up; CUDA graphs add their warm-up and capture step;
+    entries a logger marks as warm-up are excluded; --warmup N replaces the cutoff; a log of warm-up
+    only keeps its last entry and says so."""
+    its = _its(range(0, 101, 10))
+    assert [e["iter"] for e in steady(its).entries] == list(range(20, 101, 10))  # 0 and 10 <= 10
+    graphs = steady(its, {"use_cuda_graphs": True, "training.cuda_graphs_warmup": 10})
+    assert graphs.cutoff == 21 and [e["iter"] for e in graphs.entries] == list(range(30, 101, 10))
+    marked = _its([0, 5, 10, 20])
+    marked[2]["warmup"] = True
+    assert [e["iter"] for e in steady(marked).entries] == [5, 20]
+    assert [e["iter"] for e in steady(its, warmup_steps=50).entries] == [60, 70, 80, 90, 100]
+    only = steady(_its([1]))
+    assert only.only_warmup and [e["iter"] for e in only.entries] == [1] and "warm-up" in only.note
+    assert not steady(its).only_warmup and steady(its).note == "" and steady(its).warmup == 2
+
+
+def test_summarize_steady_means_and_no_none():
+    its = _its([1, 2, 3, 4])
+    s = run_log.summarize(its, {})
+    assert s["tokens_per_sec"] == 3000 and s["step_ms"] == 103.0  # over iters 2-4
+    assert s["peak_memory_gb"] == 4.0 and s["final_loss"] == 3.0  # over the whole run
+    assert "mfu_pct" not in s and None not in s.values()  # a figure the log lacks is left out
+    assert run_log.summarize([], {}) == {}
+
+
+def test_typed_loader(tmp_path):
+    a = RunLog(tmp_path, {"config": {"world_size": 2, "batch_size": 4, "compile": True}, "hardware": {"name": "x"}})
+    for e in _its([1, 2]):
+        a.append(e)
+    run = load(a.path)
+    assert (run.world_size, run.label, run.hardware["name"], len(run.iterations)) == (2, "compile", "x", 2)
+    assert [e["iter"] for e in run.steady().entries] == [2]
+    bad = tmp_path / "bad.json"
+    for text, needle in (("{", "not valid JSON"), ('{"a": 1}', "not a run log"),
+                         ('{"startup_info": {"config": {}}, "training_iterations": []}', "no training_iterations")):
+        bad.write_text(text)
+        with pytest.raises(RunLogError, match=needle):
+            load(bad)
+    with pytest.raises(RunLogError, match="no such file"):
+        load(tmp_path / "missing.json")
 
 
 class _Wrapper(nn.Module):
@@ -167,7 +222,7 @@ def test_tensorboard_and_profiler_files(tmp_cache):
                               "--profiling.num_steps", "2", "--job.dump_folder", str(tmp_cache)])
     t = Trainer(cfg)
     t.train()
-    acc = EventAccumulator(t.tensorboard.log_dir)
+    acc = EventAccumulator(t.report.tensorboard.log_dir)
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert {"train/loss", "perf/mfu_pct", "perf/tokens_per_sec", "breakdown/compute_ms_median"} <= set(tags)

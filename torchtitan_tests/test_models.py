@@ -120,3 +120,30 @@ def test_chunked_loss_gradients_on_cuda():
     assert gw.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-3)
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-5)
     torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-5)
+
+
+def test_init_schemes_draw_their_stated_scales():
+    """model.init: 'scaled' keeps small embeddings and one depth scale; 'per_layer' (the Llama reference
+    scheme) draws unit embeddings and shrinks wo, w2 and w3 with each block's own depth."""
+    import math
+
+    from titanlite.models import build_model
+    from titanlite.models.args import ModelArgs
+
+    args = ModelArgs(dim=256, n_layers=4, n_heads=4, vocab_size=512, ffn_dim=512)
+    std = lambda t: t.float().std().item()
+    models = {}
+    for init in ("scaled", "per_layer"):
+        torch.manual_seed(0)
+        models[init] = m = build_model(args, init=init)
+        m.init_weights()
+    s, p = models["scaled"], models["per_layer"]
+    assert std(s.tok_embeddings.weight) == pytest.approx(0.02, rel=0.05)
+    assert std(p.tok_embeddings.weight) == pytest.approx(1.0, rel=0.05)
+    for i, block in enumerate(p.layers.values()):
+        want = 0.02 / math.sqrt(2 * (i + 1))
+        for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
+            assert std(lin.weight) == pytest.approx(want, rel=0.1)
+    for block in s.layers.values():
+        assert std(block.attention.wo.weight) == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
+        assert std(block.feed_forward.w3.weight) == pytest.approx(0.02, rel=0.1)

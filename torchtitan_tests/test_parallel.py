@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titanlite.config import ConfigError, load_config
+from titanlite.step import make_forward_loss
 from titanlite.train import Trainer
 
 from conftest import ROOT, free_port

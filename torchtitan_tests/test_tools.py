@@ -1,4 +1,4 @@
-"""compare / plot on three real CPU runs, and the seed guide's analysis snippets run verbatim on them."""
+"""compare / plot / breakdown on three real CPU runs, and the seed guide's analysis snippets run verbatim on them."""
 
 import csv
 import json
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from titanlite.config import load_config
-from titanlite.tools import compare, plot
+from titanlite.metrics.run_log import steady, summarize
+from titanlite.tools import compare
 from titanlite.train import Trainer
 
 from conftest import ROOT
@@ -87,7 +88,9 @@ def test_seed_snippets_run_verbatim(runs_dir):
 
 
 def test_compare_table_and_csv(runs_dir, tmp_path, capsys):
-    assert compare.main([str(runs_dir), "--csv", str(tmp_path / "t.csv")]) == 0
+    """--warmup 50 averages exactly what the seed guide's snippets average (entries after the 50th);
+    the default averages the run log's steady entries, the rule every reader of a log shares."""
+    assert compare.main([str(runs_dir), "--warmup", "50", "--csv", str(tmp_path / "t.csv")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak", "GB", "Loss", "Run"]
     assert len(lines) == 2 + 3
@@ -98,6 +101,32 @@ def test_compare_table_and_csv(runs_dir, tmp_path, capsys):
         its = json.loads(path.read_text())["training_iterations"][50:]
         assert float(r["MFU"]) == pytest.approx(sum(e["mfu"] for e in its) / len(its))
         assert float(r["Tokens/s"]) == pytest.approx(sum(e["tokens_per_sec"] for e in its) / len(its))
+    assert compare.main([str(runs_dir), "--csv", str(tmp_path / "d.csv")]) == 0
+    with open(tmp_path / "d.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    for r, path in zip(rows, sorted(runs_dir.glob("run_*.json"))):
+        log = json.loads(path.read_text())
+        st = steady(log["training_iterations"], log["startup_info"]["config"])
+        assert [e["iter"] for e in st.entries] == list(range(6, 53))  # iter <= 10% of 52 is warm-up
+        assert float(r["Tokens/s"]) == pytest.approx(sum(e["tokens_per_sec"] for e in st.entries) / len(st.entries))
+        assert float(r["Tokens/s"]) == pytest.approx(summarize(log["training_iterations"],
+                                                               log["startup_info"]["config"])["tokens_per_sec"], abs=0.5)
+
+
+def test_breakdown_table_cli(runs_dir):
+    """python -m titanlite.tools.breakdown: one row per steady entry and rank, the phases adding up to the step."""
+    path = sorted(runs_dir.glob("run_*.json"))[0]
+    r = subprocess.run([sys.executable, "-m", "titanlite.tools.breakdown", str(path), "--warmup", "50"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"== {path}") and lines[1].split()[:3] == ["iter", "rank", "step"]
+    rows = [line.split() for line in lines[2:-1]]
+    assert [row[:2] for row in rows] == [["51", "0"], ["52", "0"]]
+    log = json.loads(path.read_text())["training_iterations"]
+    assert float(rows[0][2]) == pytest.approx(log[50]["breakdown"]["ranks"][0]["step_ms"], abs=0.006)
+    assert all(float(row[8]) == pytest.approx(1.0, abs=1e-4) for row in rows)  # sum/step
+    assert lines[-1].startswith("largest |sum/step - 1| = ") and lines[-1].endswith("method = wall_clock")
 
 
 def test_plot_writes_pngs(runs_dir, tmp_path):
@@ -112,7 +141,7 @@ def test_plot_writes_pngs(runs_dir, tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("tool", ["compare", "plot"])
+@pytest.mark.parametrize("tool", ["compare", "plot", "breakdown"])
 def test_unreadable_inputs_fail_in_one_line(tool, tmp_path):
     bad = tmp_path / "run_bad.json"
     bad.write_text('{"startup_info": ')

@@ -1,7 +1,13 @@
+import contextlib
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,9 +110,9 @@ def test_skip_of_nonfinite_step(tmp_cache, monkeypatch, fused):
                        "--training.local_batch_size", "2", "--optimizer.fused", fused, "--training.on_nan", "skip",
                        "--job.dump_folder", str(tmp_cache), "--validation.enable=false"])
     t = Trainer(cfg)
-    assert t.optimizer_skips_nonfinite == (fused == "true")
+    assert t.step.skips_on_device == (fused == "true")
     before = [p.detach().clone() for p in t.model.parameters()]
-    monkeypatch.setattr(t, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
+    monkeypatch.setattr(t.step, "forward_loss", lambda i, l: t.model(i, l) * float("nan"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.train_step()
@@ -169,3 +175,119 @@ def test_failed_run_frees_the_trainer_before_the_process_group(tmp_cache, monkey
     assert exit_info.value.code == code
     assert seen == [True]  # torn down once, with the Trainer already gone
     assert type(error).__name__ in capsys.readouterr().err  # the traceback was shown
+
+
+def test_relative_paths_are_the_callers(tmp_cache):
+    """run_train.sh from the user's folder: its config file and dump folder are relative to that folder;
+    the default config (a repository file) works from there too."""
+    (tmp_cache / "mine.toml").write_text('[training]\ndataset = "synthetic"\nsteps = 2\nseq_len = 16\n'
+                                         'local_batch_size = 2\n[validation]\nenable = false\n')
+    quick = ["--metrics.progress_bar=false", "--data.num_workers", "0"]
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--job.config_file", "mine.toml", "--job.dump_folder", "out", *quick],
+                       capture_output=True, text=True, cwd=tmp_cache, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads(next((tmp_cache / "out").glob("run_*[0-9].json")).read_text())
+    assert log["startup_info"]["resolved_config"]["job"]["config_file"] == str(tmp_cache / "mine.toml")
+    assert len(log["training_iterations"]) == 2 and not (ROOT / "out").exists()
+
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--training.steps", "1", "--validation.enable=false", *quick],
+                       capture_output=True, text=True, cwd=tmp_cache, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads(next((tmp_cache / "outputs" / "debug").glob("run_*[0-9].json")).read_text())  # the TOML's ./outputs/debug
+    assert log["startup_info"]["resolved_config"]["job"]["config_file"] == str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def test_summary_holds_only_figures_the_run_produced(tmp_cache, capsys):
+    """No validation, no MFU on a CPU: the summary and its console line leave them out, never 'None'."""
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "2", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--validation.enable=false", "--metrics.progress_bar=false",
+                       "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    summary = t.train()
+    t.close()
+    assert None not in summary.values() and "val_loss" not in summary and summary["steps"] == 2
+    assert t.run_log.data["summary"] == summary
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("steps 2 | final_loss ") and "None" not in last
+
+
+@pytest.mark.slow
+def test_ranks_stop_when_their_launcher_is_killed(tmp_cache):
+    """kill -9 of torchrun at a 2-rank gloo run: both ranks notice within seconds, stop as on SIGTERM
+    (finish the step, save it) and exit; no checkpoint appears after that one."""
+    from test_checkpoint_dist import job_pids
+
+    ckpt = tmp_cache / "checkpoint"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "titanlite.train", "--training.dataset", "synthetic", "--training.steps", "1000", "--training.seq_len", "32",
+           "--training.local_batch_size", "2", "--parallelism.data_parallel", "ddp", "--validation.enable=false",
+           "--metrics.progress_bar=false", "--data.num_workers", "0", "--checkpoint.enable", "--checkpoint.interval",
+           "2", "--checkpoint.keep_latest_k", "0", "--debug.inject_data_delay_ms", "200", "--job.dump_folder",
+           str(tmp_cache)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (ckpt / "step-4" / "complete.json").exists():
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 4"
+            time.sleep(0.2)
+        ranks = [p for p in job_pids(proc.pid) if p != proc.pid]
+        assert len(ranks) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 20  # under the watch's hard-exit grace: the SIGTERM path itself must end them
+        while [p for p in ranks if alive(p)]:
+            assert time.time() < deadline, "ranks still training after their launcher died"
+            time.sleep(0.2)
+        out = proc.stdout.read()  # both ranks are gone: the pipe is at its end
+    finally:
+        for p in [proc.pid] + [p for p in job_pids(proc.pid) if p != proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    assert out.count(f"the launcher (pid {proc.pid}) is gone: stopping as on SIGTERM") == 2, out[-3000:]
+    step = int(re.search(r"SIGTERM: stopped after step (\d+); checkpoint saved", out).group(1))
+    saved = lambda: max(int(p.name.split("-")[1]) for p in ckpt.glob("step-*"))
+    assert 4 <= step < 1000 and saved() == step and (ckpt / f"step-{step}" / "complete.json").exists()
+    time.sleep(2)
+    assert saved() == step
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_launcher_watch_only_under_torchrun(monkeypatch):
+    """A process started by a shell is not watched: a run under nohup must outlive its shell."""
+    from titanlite.parallel.launcher_watch import watch_launcher
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert watch_launcher() is None
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's reproducibility mode (x86 builds of torch)")
+def test_cpu_runs_do_not_depend_on_the_thread_count(tmp_cache):
+    """Same seed on 1 and 2 intra-op threads: the same weights after every step, bit for bit. Without
+    MKL's strict reproducibility mode the weight gradients (a GEMM over 1,024 tokens) round differently
+    from step 1 on, and the loss leaves the other run's trajectory a few steps later."""
+    assert os.environ["MKL_CBWR"] == "AUTO,STRICT"  # set by `import titanlite`, before MKL's first call
+    before, weights = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            t = Trainer(load_config(["--training.dataset", "synthetic", "--training.steps", "3", "--training.seq_len",
+                                     "128", "--training.local_batch_size", "8", "--validation.enable=false",
+                                     "--data.num_workers", "0", "--job.dump_folder", str(tmp_cache / str(threads))]))
+            steps = []
+            for _ in range(3):
+                t.train_step()
+                steps.append([p.detach().clone() for p in t.model.parameters()])
+            weights.append(steps)
+            t.close()
+    finally:
+        torch.set_num_threads(before)
+    for step, (one, two) in enumerate(zip(*weights), start=1):
+        assert all(torch.equal(a, b) for a, b in zip(one, two)), f"step {step}"

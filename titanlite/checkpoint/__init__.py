@@ -1,7 +1,9 @@
-"""Checkpoints: DCP save/load with async modes and retention (manager), preemption handling,
-and the Hugging Face safetensors layout for export and initial load (hf, export)."""
+"""Checkpoints: DCP save/load with async modes, retention, lineage and integrity checks (manager,
+lineage, integrity, state_file, writer), preemption handling, and the Hugging Face safetensors
+layout for export and initial load (hf, export)."""
 
-from titanlite.checkpoint.manager import Checkpointer, checkpoint_root, complete_steps
+from titanlite.checkpoint.layout import checkpoint_root, complete_steps
+from titanlite.checkpoint.manager import Checkpointer, CheckpointSaveError
 from titanlite.checkpoint.preemption import Preemption
 
-__all__ = ["Checkpointer", "Preemption", "checkpoint_root", "complete_steps"]
+__all__ = ["Checkpointer", "CheckpointSaveError", "Preemption", "checkpoint_root", "complete_steps"]

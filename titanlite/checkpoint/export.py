@@ -4,8 +4,9 @@
 
 DIR is one `step-N` folder, or a checkpoint folder (its newest complete step is taken). The result
 loads with transformers' LlamaForCausalLM / Qwen3ForCausalLM (AutoModelForCausalLM) and with
-titanlite's `--checkpoint.initial_load_path HF_DIR`. Runs in one process on CPU, reading only the
-model's tensors.
+titanlite's `--checkpoint.initial_load_path HF_DIR`. Runs in one process on CPU; every file of the
+checkpoint is checked against the sizes and checksums in its complete.json first, then only the
+model's tensors are read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_step_folder(path: str) -> Path:
-    from titanlite.checkpoint.manager import MARKER, complete_steps, read_marker
+    from titanlite.checkpoint.layout import MARKER, complete_steps, read_marker
 
     folder = Path(path)
     if not folder.is_dir():
@@ -49,11 +50,14 @@ def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
 
 def export(checkpoint: str, output: str, dtype: str = "float32") -> Path:
     from titanlite.checkpoint.hf import export_hf
-    from titanlite.checkpoint.manager import read_marker
+    from titanlite.checkpoint.integrity import verify
+    from titanlite.checkpoint.layout import read_marker
     from titanlite.models.args import ModelArgs
 
     folder = resolve_step_folder(checkpoint)
     marker = read_marker(folder)
+    if problem := verify(folder, marker):  # sizes and checksums of every file, before any is read
+        raise ConfigError(f"checkpoint {folder} is damaged: {problem}")
     info = marker.get("model")
     if not info:
         raise ConfigError(f"{folder} records no model spec: re-save it with this version of titanlite")

@@ -1,16 +1,20 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP).
 
-Layout: `<job.dump_folder>/<checkpoint.folder>/step-N/` holds DCP's files and, written last by
-rank 0 once every rank's data is on disk, `complete.json` (step, world size, file sizes, model
-spec). Only folders with that marker count; start-up takes the newest one whose files still match
-the recorded sizes and that DCP can read, falling back to older ones with a warning.
+A checkpoint is `<job.dump_folder>/<checkpoint.folder>/step-N/` (titanlite.checkpoint.layout):
+- DCP's files: model and optimizer, keyed by parameter name (get_state_dict with a flattened
+  optimizer state), so DCP reshards across parallelism changes (fsdp on 2 ranks -> ddp on 1, ...);
+- per rank, titanlite's own state as JSON + safetensors, never pickle (titanlite.checkpoint.state_file):
+  the `stateful` objects that are identical on every rank (lr scheduler, train state), the
+  `per_rank` ones (the data loader) and the RNG streams;
+- `complete.json`, written last by rank 0 once every rank's files are on disk: step, world size,
+  layout format, size and CRC-32 of every file (titanlite.checkpoint.integrity), model spec, lr schedule.
 
-What goes in:
-- model and optimizer, keyed by parameter name (get_state_dict with a flattened optimizer state),
-  so DCP reshards across parallelism changes (fsdp on 2 ranks -> ddp on 1, ...);
-- `stateful` objects that are identical on every rank (lr scheduler, train state);
-- `per_rank` objects that differ per rank (the data loader), stored as `<name>.rank_<r>`, plus
-  each rank's RNG states.
+Start-up takes the newest complete checkpoint (or checkpoint.load_step). Its format and model spec
+are compared first: a mismatch is one error, not a reason to try older ones. Then sizes and
+checksums (the ranks share the reading), then DCP loads it; a damaged or unreadable checkpoint is
+reported and the previous one is tried. The step resumed from becomes the head of the line: later
+checkpoints are moved aside (titanlite.checkpoint.lineage). A failed save stops the run with one
+line naming the cause; the partial folder is removed and the earlier checkpoints stay.
 """
 
 from __future__ import annotations
@@ -18,9 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import random
-import re
 import shutil
 import time
 import warnings
@@ -33,51 +35,65 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from titanlite.checkpoint.integrity import ALGORITHM, checksum_problem, file_checksum, size_problem
+from titanlite.checkpoint.layout import (FORMAT, MARKER, checkpoint_root, complete_steps, read_marker,
+                                         step_dirs)
+from titanlite.checkpoint.lineage import abandon_after, abandoned_steps, finish_interrupted
+from titanlite.checkpoint.state_file import EncodedState, json_name, read_state
+from titanlite.checkpoint.writer import StateWriter
 from titanlite.config import ConfigError
 
 logger = logging.getLogger("titanlite")
 # A single process passes no_dist=True on purpose; DCP still warns about it on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-MARKER = "complete.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 # Optimizer state keyed "state.<param>.<key>" / "param_groups.<param>.<key>": one entry per
 # parameter, independent of how the optimizer groups or partitions them (zero1 included).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.job.dump_folder) / cfg.checkpoint.folder
-
-
-def step_dirs(root: Path) -> dict[int, Path]:
-    """step -> folder for every step-N folder under root (complete or not)."""
-    if not root.is_dir():
-        return {}
-    return {int(m.group(1)): p for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()}
+__all__ = ["Checkpointer", "CheckpointSaveError", "checkpoint_root", "complete_steps", "read_marker", "step_dirs",
+           "MARKER"]
 
 
-def read_marker(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
+class CheckpointSaveError(RuntimeError):
+    """A save failed; the message is the one line for the user (cause, what is kept)."""
 
 
-def complete_steps(root: Path) -> list[int]:
-    """Steps with a completion marker, newest first."""
-    return sorted((s for s, p in step_dirs(root).items() if read_marker(p) is not None), reverse=True)
+def lr_schedule(cfg, global_batch: int | None) -> dict:
+    """What the learning rate of a step depends on besides the step, and the global batch that turns
+    steps into tokens: recorded in the marker, compared on resume."""
+    s = cfg.lr_scheduler
+    out = {"global_batch": global_batch, "training.steps": cfg.training.steps,
+           "lr_scheduler.warmup_steps": s.warmup_steps, "lr_scheduler.decay_type": s.decay_type,
+           "lr_scheduler.min_lr_factor": s.min_lr_factor}
+    if s.decay_type == "wsd":
+        out["lr_scheduler.decay_ratio"] = s.decay_ratio
+    return out
 
 
-def verify_files(folder: Path, marker: dict) -> str | None:
-    """A reason the folder differs from what was written (missing or truncated file), or None."""
-    for name, size in marker.get("files", {}).items():
-        path = folder / name
-        if not path.exists():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} is {path.stat().st_size} bytes, {size} were written"
-    return None
+def failure_cause(error: BaseException, folder: Path) -> str:
+    """Why a save failed, in a few words: an OSError's reason and file where one is behind it (DCP
+    wraps each rank's error in a CheckpointException, a BaseException), else the error's last line."""
+    if isinstance(error, CheckpointException):
+        errors = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()] or [error]
+    else:
+        errors = [error]
+    for e in errors:
+        seen = set()
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            if isinstance(e, OSError) and e.strerror:
+                return f"{e.strerror}: {e.filename or folder}"
+            e = e.__cause__ or e.__context__
+    first = errors[0]
+    lines = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {lines[-1] if lines else ''} ({folder})"[:400]
+
+
+def _describe(model: dict, keys: list[str]) -> str:
+    args = model.get("args", {})
+    detail = ", ".join(f"{k}={args.get(k)}" for k in keys)
+    return f"{model.get('name')}/{model.get('flavor')}" + (f" ({detail})" if detail else "")
 
 
 def rng_state() -> dict:
@@ -104,10 +120,12 @@ def _optimizers(optimizer) -> torch.optim.Optimizer:
 
 
 class Checkpointer:
-    def __init__(self, cfg, dims, model, optimizer, stateful: dict, per_rank: dict, info: dict | None = None):
+    def __init__(self, cfg, dims, model, optimizer, stateful: dict, per_rank: dict, info: dict | None = None,
+                 global_batch: int | None = None):
         self.cfg, self.ck, self.dims = cfg, cfg.checkpoint, dims
         self.model, self.optimizer = model, optimizer
-        self.stateful, self.per_rank, self.info = stateful, per_rank, info or {}
+        self.stateful, self.per_rank = stateful, per_rank
+        self.info = {**(info or {}), "schedule": lr_schedule(cfg, global_batch)}
         self.root = checkpoint_root(cfg)
         distributed = dims.world_size > 1 and dist.is_initialized()
         # DCP's planning collectives run on their own gloo groups: host-side, never a GPU sync, and
@@ -122,17 +140,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------- state
     def _state(self) -> dict:
-        """The full state of this rank; tensors are the live ones (DCP loads into them in place)."""
+        """Model and optimizer of this rank, for DCP; the tensors are the live ones (DCP loads into
+        them in place)."""
         model_sd, optim_sd = get_state_dict(self.model, _optimizers(self.optimizer), options=OPTIONS)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        state.update({name: obj.state_dict() for name, obj in self.stateful.items()})
-        rank = f"rank_{self.dims.rank}"
-        # Per-rank objects are pickled into one opaque value each: their structure may vary (a
-        # loader's worker states) and DCP must not merge them across ranks.
-        for name, obj in self.per_rank.items():
-            state[name] = {rank: pickle.dumps(obj.state_dict())}
-        state["rng"] = {rank: pickle.dumps(rng_state())}
-        return state
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def _own_state(self) -> dict:
+        """titanlite's state of this rank, stored as JSON + tensors by the rank itself: `per_rank`
+        objects and RNG streams are this rank's, `stateful` ones the same on every rank."""
+        return {"stateful": {name: obj.state_dict() for name, obj in self.stateful.items()},
+                "per_rank": {name: obj.state_dict() for name, obj in self.per_rank.items()},
+                "rng": rng_state()}
 
     # -------------------------------------------------------------------------------------- save
     def _build_stager(self):
@@ -179,7 +197,8 @@ class Checkpointer:
 
     def save(self, step: int, last: bool = False) -> None:
         """Call after every step: saves at checkpoint.interval steps and when `last` (end of training,
-        preemption; synchronous), and completes a finished async save (marker, retention)."""
+        preemption; synchronous), and completes a finished async save (marker, retention). A failed
+        save raises CheckpointSaveError."""
         if self.pending is not None and self.pending[1].done():
             self.wait()
         if not self.should_save(step, last):
@@ -190,15 +209,19 @@ class Checkpointer:
         if self.dims.is_main and folder.exists():
             shutil.rmtree(folder)  # a stale folder of the same step from an earlier, interrupted run
         self._barrier()
+        writer = StateWriter(folder, EncodedState(self.dims.rank, self._own_state()))
         state = self._state()
         if self.async_mode == "disabled" or last:
-            dcp.save(state, checkpoint_id=str(folder), process_group=self.group, no_dist=self.group is None)
-            self._complete(step, folder)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+                self._complete(step, folder)
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                self._failed(step, folder, e)
             if self.dims.is_main:
                 logger.info(f"checkpoint step-{step} saved in {time.perf_counter() - start:.2f} s")
         else:
             kw = {"async_stager": self.stager} if self.stager is not None else {}
-            fut = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.async_group, **kw)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.async_group, **kw)
             fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse on newer torch with async staging
             self.pending = (step, fut)
             if self.dims.is_main:
@@ -207,7 +230,8 @@ class Checkpointer:
         self.last_saved = step
 
     def wait(self) -> None:
-        """Block until the async save in flight (if any) is on disk, then complete it; re-raise its failure.
+        """Block until the async save in flight (if any) is on disk, then complete it; a failure
+        raises CheckpointSaveError.
 
         The marker is written here, on the training thread (rank 0), at the first step after the
         background write has finished: a run killed before that simply lacks this checkpoint.
@@ -216,19 +240,38 @@ class Checkpointer:
             return
         step, fut = self.pending
         self.pending = None
+        folder = self.root / f"step-{step}"
         try:
             fut.result()
-        except Exception as e:
-            raise RuntimeError(f"async checkpoint step-{step} failed: {e}") from e
-        self._complete(step, self.root / f"step-{step}")
+            self._complete(step, folder)
+        except (Exception, CheckpointException) as e:
+            self._failed(step, folder, e)
+
+    def _failed(self, step: int, folder: Path, error: BaseException) -> None:
+        """Remove what the failed save left (rank 0; it has no marker, so it was never a checkpoint,
+        and on a full disk it holds the space), keep every earlier checkpoint, and stop."""
+        if self.dims.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        kept = complete_steps(self.root)
+        raise CheckpointSaveError(
+            f"checkpoint step-{step} could not be saved: {failure_cause(error, folder)}; training stopped, "
+            f"earlier checkpoints are kept (newest: {f'step-{kept[0]}' if kept else 'none'})") from error
 
     def _complete(self, step: int, folder: Path) -> None:
-        """Rank 0, once every rank's files are written: the marker (atomically), then retention."""
+        """Rank 0, once every rank's files are written: the marker (atomically), then retention.
+        Each rank recorded the checksums of its own files in its JSON; rank 0 adds those of the
+        small files it has no checksum for (DCP's .metadata, the ranks' JSON)."""
         if not self.dims.is_main:
             return
-        files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-        marker = {"step": step, "world_size": self.dims.world_size, "data_parallel": self.dims.mode,
-                  "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"), "files": files, **self.info}
+        names = sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(MARKER))
+        written = {}
+        for rank in range(self.dims.world_size):
+            written.update(json.loads((folder / json_name(rank)).read_text())["files"])
+        marker = {"format": FORMAT, "step": step, "world_size": self.dims.world_size,
+                  "data_parallel": self.dims.mode, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "files": {name: (folder / name).stat().st_size for name in names},
+                  ALGORITHM: {name: written.get(name) or file_checksum(folder / name) for name in names},
+                  **self.info}
         tmp = folder / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, folder / MARKER)
@@ -246,26 +289,51 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
 
+    def _agree(self, problem: str | None) -> str | None:
+        """The first rank's problem, on every rank (None if no rank has one)."""
+        if self.group is None:
+            return problem
+        found = [None] * self.dims.world_size
+        dist.all_gather_object(found, problem, group=self.group)
+        return next((p for p in found if p), None)
+
+    def _on_main(self, fn, *args) -> None:
+        """Rank 0 changes the checkpoint folder (logging what it did) while the others wait."""
+        if self.dims.is_main:
+            try:
+                line = fn(*args)
+            except OSError as e:
+                raise ConfigError(f"cannot move checkpoints aside under {self.root}: {e.strerror}: {e.filename}") from None
+            if line:
+                logger.info(line)
+        self._barrier()
+
     # -------------------------------------------------------------------------------------- load
     def load(self) -> int | None:
         """Resume from the newest loadable complete checkpoint (or checkpoint.load_step); else, with
         checkpoint.initial_load_path, start from Hugging Face safetensors. Returns the resumed step."""
         explicit = self.ck.load_step >= 0
         if self.ck.enable or explicit:
+            self._on_main(finish_interrupted, self.root)  # a move aside that a killed run left half done
             steps = complete_steps(self.root)
             self._report_incomplete(steps[0] if steps else -1)
             if explicit:
                 if self.ck.load_step not in steps:
-                    raise ConfigError(f"checkpoint.load_step={self.ck.load_step}: no complete checkpoint "
-                                      f"step-{self.ck.load_step} under {self.root} (complete: {sorted(steps) or 'none'})")
+                    raise ConfigError(self._missing_step(steps))
                 steps = [self.ck.load_step]
             failures = []
             for step in steps:
                 folder = self.root / f"step-{step}"
-                problem = verify_files(folder, read_marker(folder) or {}) or self._try_load(folder)
+                marker = read_marker(folder) or {}
+                self._check_fits(folder, marker)
+                problem = self._verify(folder, marker)
+                if problem is None:
+                    self._on_main(abandon_after, self.root, step)  # before loading: a kill now resumes `step`
+                    problem = self._try_load(folder, marker)
                 if problem is None:
                     if self.dims.is_main:
                         logger.info(f"resumed from checkpoint {folder} (step {step})")
+                        self._warn_schedule(step, marker)
                     return step
                 failures.append(f"step-{step}: {problem}")
                 if self.dims.is_main:
@@ -284,6 +352,48 @@ class Checkpointer:
                 logger.info(f"initial weights loaded from {self.ck.initial_load_path}")
         return None
 
+    def _missing_step(self, steps: list[int]) -> str:
+        n = self.ck.load_step
+        msg = (f"checkpoint.load_step={n}: no complete checkpoint step-{n} under {self.root} "
+               f"(complete: {sorted(steps) or 'none'})")
+        aside = abandoned_steps(self.root).get(n)
+        return msg + (f"; {aside} was set aside by an earlier resume from an earlier step: move it back "
+                      f"to {self.root} to resume it" if aside else "")
+
+    def _check_fits(self, folder: Path, marker: dict) -> None:
+        """Layout format and model spec, before anything is read: a checkpoint of another model (or
+        layout) is one error naming both, not damage to fall back from."""
+        if marker.get("format", 1) != FORMAT:
+            raise ConfigError(f"checkpoint {folder} has layout format {marker.get('format', 1)}, this titanlite "
+                              f"reads format {FORMAT} (earlier formats pickle the per-rank state, which is never "
+                              f"loaded): move it away to start afresh; python -m titanlite.checkpoint.export still "
+                              f"converts its model")
+        saved, now = marker.get("model"), self.info.get("model")
+        if not saved or not now:
+            return
+        names = [(m.get("name"), m.get("flavor")) for m in (saved, now)]
+        args = [m.get("args", {}) for m in (saved, now)]
+        # Another model or flavor is named by that alone; the same one with other arguments (a
+        # vocab_size override, say) by the first few that differ.
+        keys = [] if names[0] != names[1] else sorted(k for k in {**args[0], **args[1]} if args[0].get(k) != args[1].get(k))
+        if names[0] != names[1] or keys:
+            raise ConfigError(f"checkpoint {folder} holds model {_describe(saved, keys[:4])}, this run builds "
+                              f"{_describe(now, keys[:4])}: run the checkpoint's model, or use another "
+                              f"checkpoint.folder or job.dump_folder")
+
+    def _verify(self, folder: Path, marker: dict) -> str | None:
+        """Sizes, then the checksum of every file, each rank reading its share of the files."""
+        mine = size_problem(folder, marker) or checksum_problem(folder, marker, self.dims.rank,
+                                                                self.dims.world_size if self.group else 1)
+        return self._agree(mine)
+
+    def _warn_schedule(self, step: int, marker: dict) -> None:
+        saved, now = marker.get("schedule"), self.info["schedule"]
+        changed = [f"{k} {saved[k]} -> {v}" for k, v in now.items() if saved and k in saved and saved[k] != v]
+        if changed:
+            logger.warning(f"warning: resuming step-{step} with another schedule ({', '.join(changed)}): the lr "
+                           f"curve from here on differs from the one the checkpoint was trained on")
+
     def _report_incomplete(self, newest_complete: int) -> None:
         if not self.dims.is_main:
             return
@@ -292,36 +402,37 @@ class Checkpointer:
                 logger.warning(f"warning: checkpoint {folder} is incomplete (no {MARKER}: the run stopped while "
                                f"saving); skipped")
 
-    def _try_load(self, folder: Path) -> str | None:
-        """Load `folder` into the live objects; the reason on failure (DCP raises on every rank alike)."""
+    def _try_load(self, folder: Path, marker: dict) -> str | None:
+        """Load `folder` into the live objects; the reason on failure (the same on every rank)."""
         try:
-            self._load(folder)
+            self._load(folder, marker)
         except ConfigError:
             raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException; any unreadable checkpoint falls back
             return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         return None
 
-    def _load(self, folder: Path) -> None:
-        state = self._state()
-        marker = read_marker(folder) or {}
+    def _load(self, folder: Path, marker: dict) -> None:
         same_world = marker.get("world_size") == self.dims.world_size
-        # Per-rank entries: each rank its own; with another rank count every rank gets rank 0's
-        # (titanlite's loader state is a global stream position, so it re-shards from any rank's).
-        source = f"rank_{self.dims.rank}" if same_world else "rank_0"
-        for name in self.per_rank:
-            state[name] = {source: b""}
-        if not same_world:
-            state.pop("rng")  # RNG streams belong to ranks; a new layout starts them from the seed
+        # titanlite's state: each rank its own; with another rank count every rank reads rank 0's
+        # (the loader state is a global stream position, so it re-shards from any rank's). Read
+        # before DCP touches a live tensor, and agreed, so no rank enters DCP's collectives alone.
+        try:
+            own, problem = read_state(folder, self.dims.rank if same_world else 0), None
+        except ValueError as e:
+            own, problem = None, str(e)
+        if problem := self._agree(problem):
+            raise ValueError(problem)
+        state = self._state()
         dcp.load(state, checkpoint_id=str(folder), process_group=self.group, no_dist=self.group is None)
         set_state_dict(self.model, _optimizers(self.optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=OPTIONS)
         for name, obj in self.stateful.items():
-            obj.load_state_dict(state[name])
+            obj.load_state_dict(own["stateful"][name])
         for name, obj in self.per_rank.items():
-            obj.load_state_dict(pickle.loads(state[name][source]))
+            obj.load_state_dict(own["per_rank"][name])
         if same_world:
-            set_rng_state(pickle.loads(state["rng"][source]))
+            set_rng_state(own["rng"])  # RNG streams belong to ranks; a new layout starts them from the seed
         elif self.dims.is_main:
             logger.warning(f"warning: checkpoint saved by {marker.get('world_size')} ranks, this run has "
                            f"{self.dims.world_size}: model and optimizer are resharded by DCP")

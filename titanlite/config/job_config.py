@@ -34,6 +34,10 @@ class Model:
     flavor: str = doc("debug", "size preset of the family (see titanlite.models)")
     attention_backend: str = doc("auto", "attention kernel; auto picks the fastest available and logs which",
                                  registry="titanlite.ops.attention:CHOICES")
+    init: str = doc("scaled", "weight initialisation scheme: scaled (embeddings std 0.02, the blocks' output "
+                              "projections scaled by the model's depth) or per_layer (the Llama reference scheme "
+                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth)",
+                    registry="titanlite.models.transformer:INITS")
     vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
 
 
@@ -210,21 +214,35 @@ class Estimate:
     ngpu: int = doc(1, "GPUs the dry run models (world size of its fake process group)", min=1)
     hardware: str = doc("h100", "GPU by its key in titanlite/hardware.py (h100, h200, b200, a100, ...)")
     output: str = doc("", "JSON report path ('' = <job.dump_folder>/estimate.json)")
-    search: bool = doc(True, "binary-search the largest local batch that fits (one fake step per probe)")
-    max_local_batch: int = doc(512, "upper bound of that search", min=1)
+    search: bool = doc(True, "search the largest local batch that fits (one fake step per probe)")
+    max_local_batch: int = doc(512, "upper bound of that search (also capped where even the blocks' inputs "
+                                    "alone would not fit)", min=1)
     reserved_gib: float = doc(1.0, "memory outside tensors: CUDA context, cuBLAS/NCCL workspaces (GiB)", min=0.0)
     fragmentation: float = doc(-1.0, "allocator headroom: a batch fits when peak x (1 + this) + reserved_gib <= the "
-                                      "GPU's memory; -1 = by mode, measured as reserved / allocated with "
-                                      "expandable_segments (run_train.sh's default): 0.02 for none/ddp/zero1, "
-                                      "0.15 for fsdp/hsdp; use 0.05+ more without expandable segments", min=-1.0)
-    gemm_efficiency: float = doc(0.79, "achieved fraction of the bf16 peak in large matmuls (H100 8192^3: 781/989)",
-                                 min=0.01, max=1.0)
-    memory_efficiency: float = doc(0.7, "achieved fraction of HBM bandwidth in memory-bound ops", min=0.01, max=1.0)
-    link_efficiency: float = doc(0.8, "achieved fraction of link bandwidth in collectives", min=0.01, max=1.0)
-    compile_traffic_factor: float = doc(0.5, "with compile.enable: memory-bound traffic and launches kept after "
-                                             "fusion (assumed; calibrate with benchmarks/estimation_gpu.py)",
-                                        min=0.0, max=1.0)
-    launch_us: float = doc(5.0, "host time per eager kernel launch (microseconds)", min=0.0)
+                                      "GPU's memory; -1 = the data-parallel mode's, measured with expandable_segments "
+                                      "(titanlite/parallel/modes.py); add 0.05 or more without expandable segments",
+                               min=-1.0)
+    gemm_efficiency: float = doc(0.0, "achieved fraction of the bf16 peak in matmuls (0 = estimation/calibration.json)",
+                                 min=0.0, max=1.0)
+    float8_efficiency: float = doc(0.0, "achieved fraction of twice the bf16 peak in float8 matmuls (0 = calibrated)",
+                                   min=0.0, max=1.0)
+    elementwise_efficiency: float = doc(0.0, "achieved fraction of HBM bandwidth in eager element-wise ops "
+                                             "(0 = calibrated)", min=0.0, max=1.0)
+    fused_efficiency: float = doc(0.0, "achieved fraction of HBM bandwidth in torch.compile's generated kernels "
+                                       "(0 = calibrated)", min=0.0, max=1.0)
+    optimizer_efficiency: float = doc(0.0, "achieved fraction of HBM bandwidth in the clip and AdamW update "
+                                           "(0 = calibrated)", min=0.0, max=1.0)
+    link_efficiency: float = doc(0.0, "achieved fraction of link bandwidth in collectives (0 = calibrated)",
+                                 min=0.0, max=1.0)
+    gap_us: float = doc(0.0, "GPU idle time between kernels, per kernel, in microseconds (0 = calibrated)", min=0.0)
+    launch_us: float = doc(0.0, "host time per kernel launch in microseconds (0 = calibrated)", min=0.0)
+    recommend: bool = doc(False, "search local batch x accumulation, activation checkpointing, data-parallel mode, "
+                                 "float8, bf16 parameters / moments and CUDA graphs for the target global batch; "
+                                 "print the best predicted configurations and write the best as a TOML")
+    target_tokens: int = doc(0, "recommend: tokens per optimizer step (0 = training.global_batch_size x seq_len)",
+                             min=0)
+    recommend_top: int = doc(5, "recommend: configurations printed", min=1)
+    recommend_output: str = doc("", "recommend: TOML path ('' = <job.dump_folder>/recommended.toml)")
 
 
 @dataclass

@@ -3,6 +3,11 @@
 Precedence: CLI > TOML (`--job.config_file`) > dataclass defaults. Every failure raises
 `ConfigError` with a one-line message naming the key or file; `run_cli` turns it into exit code 2.
 This module does not import torch, so `python -m titanlite.config.check` answers in a blink.
+
+Paths: every relative path, on the command line or inside the TOML, is relative to the working
+directory of the process (the folder the user runs from), as for any command-line tool. One
+convenience: a relative `--job.config_file` that does not exist there is looked up in the repository
+this package sits in, so the shipped `train_configs/...` names work from any folder.
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import os
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.job_config import JobConfig
@@ -22,6 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+REPO = Path(__file__).resolve().parents[2]  # the checkout holding titanlite/ and train_configs/
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -80,16 +88,15 @@ def _convert(key: str, tp, value: Any) -> Any:
                 raise bad from None
         raise bad
     if tp is float:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):  # OverflowError: a TOML integer beyond any float
+            raise bad from None
+        if not math.isfinite(number):  # nan/inf would pass every bound check (nan < lo is False)
+            raise ConfigError(f"{key} expects a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -174,6 +181,17 @@ def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+def find_config_file(name: str) -> str:
+    """The config file `name` relative to the working directory; a relative name missing there is
+    taken from the repository (the shipped train_configs/). Returns an absolute path."""
+    if os.path.isfile(name):
+        return os.path.abspath(name)
+    if not os.path.isabs(name) and (REPO / name).is_file():
+        return str(REPO / name)
+    where = "" if os.path.isabs(name) else f" (looked in {os.getcwd()} and {REPO})"
+    raise ConfigError(f"config file not found: {name}{where} (--job.config_file)")
+
+
 def load_config(argv: list[str] | None = None) -> JobConfig:
     """Build a JobConfig from defaults, the TOML named by --job.config_file, then the CLI."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -181,8 +199,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     cfg = JobConfig()
     config_file = next((v for k, v in pairs if k == "job.config_file"), "")
     if config_file:
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"config file not found: {config_file} (--job.config_file)")
+        config_file = find_config_file(config_file)
         try:
             with open(config_file, "rb") as fh:
                 data = tomllib.load(fh)
@@ -192,6 +209,9 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
             if not isinstance(table, dict):
                 raise ConfigError(f"{config_file}: top-level key '{section}' must be a [section] table")
             for key, value in table.items():
+                if (section, key) == ("job", "config_file"):
+                    raise ConfigError(f"{config_file}: job.config_file cannot be set inside a config file (one file "
+                                      f"is read; it does not include another): pass it as --job.config_file")
                 try:
                     _set(cfg, f"{section}.{key}", value)
                 except ConfigError as e:
@@ -352,7 +372,10 @@ def to_toml(cfg: JobConfig) -> str:
     lines = []
     for section, table in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        for k, v in table.items():
+            # a config file cannot name another one: where the values came from stays a comment
+            comment = "# " if (section, k) == ("job", "config_file") else ""
+            lines.append(f"{comment}{k} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)
 

@@ -35,9 +35,6 @@ def _sources(cfg, train_set, val_set, dp_rank: int, dp_size: int, identity: str,
     from titanlite.data.loader import TrainLoader, val_batches
 
     t, b = cfg.training, cfg.training.local_batch_size
-    if cfg.validation.enable and len(val_set) < b * dp_size:
-        raise ConfigError(f"the validation split has {len(val_set)} windows of {t.seq_len + 1} tokens, fewer than one "
-                          f"global batch ({b} x {dp_size}); prepare with a smaller --val-every or set validation.enable=false")
     train = TrainLoader(train_set, batch=b, rank=dp_rank, world=dp_size, seed=t.seed, shuffle=shuffle,
                         data_cfg=cfg.data, identity={"dataset": identity, "seq_len": t.seq_len, "seed": t.seed,
                                                      "shuffle": shuffle})
@@ -57,10 +54,14 @@ def _synthetic(cfg, dp_rank: int, dp_size: int) -> DataSources:
 
 def _prepared_folder(cfg, folder, dp_rank: int, dp_size: int, name: str) -> DataSources:
     from titanlite.data.loader import ShardWindows
-    from titanlite.data.shards import read_meta
+    from titanlite.data.shards import again, read_meta, verify_shards
 
-    meta = read_meta(folder)
+    # python_stdlib is prepared on first use, so a damaged copy is simply deleted
+    remedy = f"delete {folder}; it is prepared again on next use" if name == "python_stdlib" else ""
+    meta = read_meta(folder, remedy)
+    verify_shards(folder, meta, remedy or again(folder, meta), note=dp_rank == 0)
     sl = cfg.training.seq_len
+    _check_windows(cfg, meta, dp_size, name)
     train, val = ShardWindows(folder, "train", sl, meta), ShardWindows(folder, "val", sl, meta)
     sp = meta["splits"]
     identity = f"{name}:{meta['tokenizer']['sha256'][:16]}:{sp['train']['tokens']}:{sp['val']['tokens']}"
@@ -68,6 +69,74 @@ def _prepared_folder(cfg, folder, dp_rank: int, dp_size: int, name: str) -> Data
             f"vocab {meta['vocab_size']:,}, {folder})")
     return _sources(cfg, train, val, dp_rank, dp_size, identity, cfg.data.shuffle, meta["vocab_size"], desc,
                     str(Path(folder) / meta["tokenizer"]["file"]))
+
+
+def _tokens_for(windows: int, seq_len: int, shard_tokens: int) -> int:
+    """Tokens a split needs to hold `windows` windows when written in shards of `shard_tokens`."""
+    per_shard = (shard_tokens - 1) // seq_len
+    if per_shard < 1:
+        return 2**62  # no window fits in a shard
+    full, rest = divmod(windows, per_shard)
+    return full * shard_tokens + (rest * seq_len + 1 if rest else 0)
+
+
+def _largest_seq_len(shard_tokens: list[int], windows: int) -> int:
+    """The largest seq_len at which shards of these sizes hold `windows` windows (0 if none)."""
+    from titanlite.data.shards import windows_in
+
+    lo, hi = 0, max(shard_tokens, default=1)  # windows_in(., lo) >= windows, windows_in(., hi) < windows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if windows_in(shard_tokens, mid) >= windows else (lo, mid)
+    return lo
+
+
+def _val_every_for(meta: dict, need_tokens: int) -> int:
+    """The largest --val-every whose validation split would hold `need_tokens` tokens: exact when the
+    split is the corpus' tail (fewer documents than --val-every), by token share for whole documents."""
+    total = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
+    docs, now = meta.get("documents", 1), meta.get("val_every", 0)
+    n = total // need_tokens
+    if n <= docs:  # whole documents: floor(docs / n) of them, each docs/total tokens on average
+        n = min(n, docs // -(-need_tokens * docs // total))
+    return min(n, now - 1) if now else n
+
+
+def _check_windows(cfg, meta: dict, dp_size: int, name: str) -> None:
+    """Both splits hold enough windows for this run, or one line that says what to change, with numbers."""
+    from titanlite.data.shards import windows_in
+
+    t, b = cfg.training, cfg.training.local_batch_size
+    sizes = {s: [sh["tokens"] for sh in meta["splits"][s]["shards"]] for s in ("train", "val")}
+    need_val = b * dp_size if cfg.validation.enable else 0
+    have = {s: windows_in(sizes[s], t.seq_len) for s in sizes}
+    if have["train"] >= 1 and have["val"] >= need_val:
+        return
+    if have["train"] < 1:
+        fit_train = _largest_seq_len(sizes["train"], 1)
+        fit_val = _largest_seq_len(sizes["val"], need_val) if need_val else fit_train
+        if fit_train < 1:
+            advice = "prepare more text"
+        elif fit_val < 1:
+            advice = f"lower training.seq_len to {fit_train} or less and set validation.enable=false"
+        else:
+            advice = f"lower training.seq_len to {min(fit_train, fit_val)} or less"
+        longest = max(sizes["train"], default=0)
+        if longest == meta.get("shard_tokens"):  # full shards: they are what is too short
+            advice += f", or prepare the dataset again with --shard-tokens {t.seq_len + 1} or more"
+        raise ConfigError(f"the train split has no window of training.seq_len + 1 = {t.seq_len + 1} tokens (its "
+                          f"largest shard holds {longest:,}); {advice}")
+    what = (f"the validation split has {have['val']} windows of {t.seq_len + 1} tokens, fewer than one global batch "
+            f"({b} x {dp_size})")
+    off = "set validation.enable=false"
+    if name == "python_stdlib":  # a fixed corpus: only the run can change
+        fit = have["val"] // dp_size
+        raise ConfigError(f"{what}; {off}" + (f", or lower training.local_batch_size to {fit}" if fit else ""))
+    n = _val_every_for(meta, _tokens_for(need_val, t.seq_len, meta.get("shard_tokens", 2**62)))
+    if n < 2:
+        raise ConfigError(f"{what}, and the corpus is too small for one validation batch beside training; {off}")
+    now = meta.get("val_every", 0)
+    raise ConfigError(f"{what}; prepare the dataset again with --val-every {n} (it was {now}), or {off}")
 
 
 def _prepared(cfg, dp_rank: int, dp_size: int) -> DataSources:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from titanlite.config import ConfigError
+from titanlite.data.shards import windows_in
 
 logger = logging.getLogger("titanlite")
 # torchdata 0.11 calls a torch API that newer torch deprecates; harmless, and noisy once per loader.
@@ -60,7 +61,7 @@ class ShardWindows:
         self.folder, self.seq_len, self.dtype = Path(folder), seq_len, np.dtype(meta["dtype"])
         shards = meta["splits"][split]["shards"]
         self.files = [s["file"] for s in shards]
-        per_shard = [max(0, (s["tokens"] - 1) // seq_len) for s in shards]
+        per_shard = [windows_in([s["tokens"]], seq_len) for s in shards]
         self.offsets = np.concatenate([[0], np.cumsum(per_shard, dtype=np.int64)])
         self._maps: dict[int, np.ndarray] = {}
 

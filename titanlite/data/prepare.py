@@ -5,7 +5,8 @@
 
 Inputs: .txt (one document per file, read in line-aligned pieces of about 1 MB), .jsonl (one
 document per line, in --text-field) and .parquet (column --text-field; needs pyarrow). Every
-document is followed by the EOS token; every --val-every-th document goes to the validation split.
+document is followed by the EOS token; every --val-every-th document goes to the validation split,
+or, when the corpus has fewer documents than that (a single .txt), the last 1/val_every of its tokens.
 Output: see titanlite/data/shards.py. Bad input stops with one line and exit code 2 and leaves no
 output; a bad jsonl/parquet record is skipped, counted and reported at the end.
 """
@@ -300,21 +301,37 @@ def prepare_dataset(pieces: Callable[[Skips], Iterator[Piece]], output: str | Pa
         _tokenize(pieces(skips), tok_file, packer, workers, progress)
         if packer.doc == 0:
             raise ConfigError("the input holds no documents" + (f": skipped {skips.report()}" if skips.counts else ""))
+        val_from = _val_split(writer, packer, val_every, log)
         meta = writer.commit({
             "vocab_size": vocab_size(tok), "eos_id": eos,
             "tokenizer": {"file": "tokenizer.json", "sha256": file_sha256(tok_file)},
-            "val_every": val_every, "shard_tokens": shard_tokens, "source": source,
+            "val_every": val_every, "val_from": val_from, "shard_tokens": shard_tokens, "source": source,
             "documents": packer.doc, "skipped": skips.counts,
             "splits": {s: {"documents": n} for s, n in packer.documents.items()},
         })
     secs = time.perf_counter() - start
     total = sum(meta["splits"][s]["tokens"] for s in meta["splits"])
-    log(f"prepared {packer.doc:,} documents, {total:,} tokens (train {meta['splits']['train']['tokens']:,} / "
+    log(f"prepared {packer.doc:,} document{'s' * (packer.doc != 1)}, {total:,} tokens (train {meta['splits']['train']['tokens']:,} / "
         f"val {meta['splits']['val']['tokens']:,}) as {meta['dtype']} in {secs:.1f} s "
         f"({total / secs:,.0f} tokens/s) -> {output}")
     if skips.counts:
         log(f"skipped {skips.report()}")
     return meta
+
+
+def _val_split(writer: ShardWriter, packer: _Packer, val_every: int, log: Callable[[str], None]) -> str:
+    """How the validation split was made: "documents", "tail" (fewer documents than --val-every: the
+    last 1/val_every of the tokens, moved from the train split) or "none" (--val-every 0)."""
+    if not val_every:
+        return "none"
+    if packer.documents["val"]:
+        return "documents"
+    tail = writer.tokens["train"] // val_every
+    if tail:
+        writer.move_tail("train", "val", tail)
+    log(f"validation split: the corpus has {packer.doc:,} document{'s' * (packer.doc != 1)}, fewer than --val-every "
+        f"{val_every}, so it is the last {tail:,} tokens (1/{val_every} of them) instead of whole documents")
+    return "tail"
 
 
 def _capped_texts(pieces: Iterator[Piece], max_chars: int) -> Iterator[str]:
@@ -339,7 +356,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     ap.add_argument("--eos-token", default="", help="end-of-document token (default: the first of <|endoftext|>, </s>, ...)")
     ap.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY,
-                    help="every N-th document goes to the validation split (0 = none)")
+                    help="every N-th document goes to the validation split, or the last 1/N of the tokens when "
+                         "there are fewer than N documents (N >= 2; 0 = no validation split)")
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset in --output")
@@ -352,9 +370,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--train-tokenizer needs --vocab-size N with N >= 258 (256 bytes + EOS + merges); got {args.vocab_size}")
     if not args.train_tokenizer and args.vocab_size:
         raise ConfigError("--vocab-size applies only with --train-tokenizer")
-    for name in ("val_every", "shard_tokens", "workers"):
-        if getattr(args, name) < (0 if name == "val_every" else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'val_every' else 1}")
+    for name in ("shard_tokens", "workers"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.val_every < 0 or args.val_every == 1:
+        raise ConfigError(f"--val-every must be 0 (no validation split) or at least 2 (1 would leave nothing to train "
+                          f"on); got {args.val_every}")
     paths = resolve_inputs(args.input)
     meta = prepare_dataset(
         file_pieces(paths, args.text_field), args.output, tokenizer="" if args.train_tokenizer else args.tokenizer,

@@ -11,20 +11,16 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
 import sysconfig
 from pathlib import Path
 
 from titanlite.data.prepare import Skips, prepare_dataset, read_txt
+from titanlite.data.shards import VERSION, cache_root
 
 MAX_BYTES = 8 * 1024 * 1024  # enough text for the debug model; keeps first use under ~20 s on 2 cores
 VAL_EVERY = 20  # every 20th file (sorted order) is validation
 
 logger = logging.getLogger("titanlite")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TITANLITE_CACHE", Path.home() / ".cache" / "titanlite"))
 
 
 def stdlib_files() -> list[Path]:
@@ -47,7 +43,8 @@ def prepare_stdlib(vocab_size: int) -> Path:
     A file lock makes concurrent ranks (or test processes) build it once; the others wait and read it.
     """
     files = stdlib_files()
-    key = hashlib.sha1(("\n".join(str(p) for p in files) + f"|{vocab_size}|shards-v1").encode()).hexdigest()[:12]
+    text = "\n".join(str(p) for p in files) + f"|{vocab_size}|shards-v{VERSION}"
+    key = hashlib.sha1(text.encode()).hexdigest()[:12]
     folder = cache_root() / f"python_stdlib-{key}"
     if (folder / "meta.json").exists():
         return folder

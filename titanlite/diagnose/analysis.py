@@ -11,6 +11,10 @@ A phase that exceeds its prediction by `growth` x, by `share` of the larger run'
 than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges: a difference smaller
 than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
 rank, and the others' waits for it, show up as a `straggler` and nowhere else.
+
+Findings rest only on trusted figures: the work per step is the reconstruction's (reconstruct.py),
+and a run whose only entries are warm-up, or that no physically possible reading explains, takes
+part in no stall, communication or straggler finding.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction
 from titanlite.diagnose.runs import PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
 from titanlite.parallel.modes import MODES
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
+# kinds ranked before any other: nothing else compares like for like, or nothing else is measured yet
+FIRST = {"config_mismatch": 0, "insufficient_data": 1}
+CONFIDENCE = ("high", "medium", "low")
 
 
 @dataclass
@@ -37,6 +45,8 @@ class Thresholds:
     consistency_tol: float = 0.03  # relative error tolerated between a logged figure and its recomputation
     comm_margin: float = 3.0  # without a breakdown: step growth beyond this x the all-reduce estimate is not comm
     efficiency_ok: float = 0.80  # below this, a run is not healthy even when no single phase stands out
+    min_steady: int = 3  # fewer steady log entries than this lowers the confidence
+    suspect_share: float = 0.05  # a reading needing less than this share of the dense peak is suspect
 
 
 @dataclass
@@ -86,6 +96,9 @@ NEXT_CHECK = {
         "Check how the logger computes the figure: tokens per step must be local batch x accumulation x ranks x "
         "seq_len, over the same wall-clock interval as time_ms (per optimizer step, not per micro-step); MFU must "
         "divide by GPUs x dense peak. Until fixed, trust step time and the batch settings, not the logged rate."),
+    "insufficient_data": (
+        "Log several steps past the warm-up (the first 10% of the run): more steps (--training.steps) or a "
+        "smaller --metrics.log_freq, then diagnose again."),
     "healthy": (
         "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
         "its MFU with the single-GPU baseline."),
@@ -114,7 +127,8 @@ def rel_err(logged: float, expected: float) -> float:
 def cfg_value(run: Run, key: str):
     c = run.config
     if key == "model":
-        return f"{c.get('model.name', run.model.get('name'))}/{c.get('model.flavor', run.model.get('flavor'))}"
+        name, flavor = c.get("model.name", run.model.get("name")), c.get("model.flavor", run.model.get("flavor"))
+        return f"{name}/{flavor}" if name else None
     if key == "hardware":
         return run.hardware.get("name")
     if key == "data_parallel":  # one rank runs the single-device path whatever the mode is
@@ -131,19 +145,27 @@ BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "ac
 
 
 def scaling_mode(runs: list[Run]) -> str:
+    """weak: the same work per GPU (per step, or per micro-step when only the accumulation differs,
+    whose per-GPU rate is still comparable); strong: the same global batch."""
     base = runs[0]
+    if len(runs) == 1:
+        return "single_run"
     if all(r.world == base.world for r in runs):
         return "same_world_size"
     if all(r.tokens_per_gpu_step == base.tokens_per_gpu_step for r in runs):
         return "weak"
     if all(r.tokens_per_step == base.tokens_per_step for r in runs):
         return "strong"
+    if all(r.micro_batch_tokens == base.micro_batch_tokens for r in runs):
+        return "weak"
     return "not_comparable"
 
 
 def like_for_like(runs: list[Run]) -> tuple[list[dict], list[Finding]]:
     rows, findings = [], []
     mode = scaling_mode(runs)
+    if mode == "single_run":
+        return rows, findings
     for key, name in MUST_MATCH + BATCH_KEYS:
         values = [cfg_value(r, key) for r in runs]
         known = {repr(v) for v in values if v is not None}
@@ -177,7 +199,9 @@ def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
     prev = None
     for e in run.entries:
         tps = e.get("tokens_per_sec")
-        add("tokens/s = tokens per step / step time", tps, run.tokens_per_step / (e["time_ms"] / 1000), e["iter"])
+        if isinstance(e.get("time_ms"), (int, float)):
+            add("tokens/s = tokens per step / step time", tps, run.printed_tokens_per_step / (e["time_ms"] / 1000),
+                e["iter"])
         if isinstance(tps, (int, float)):
             add("tokens/s per GPU x GPUs = tokens/s", (e.get("tokens_per_sec_per_gpu") or 0) * run.world
                 if e.get("tokens_per_sec_per_gpu") is not None else None, tps, e["iter"])
@@ -188,15 +212,16 @@ def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
         if prev is not None and isinstance(e.get("tokens_seen"), int) and isinstance(prev.get("tokens_seen"), int):
             steps = e["iter"] - prev["iter"]
             add("tokens seen per step = global batch x seq_len",
-                (e["tokens_seen"] - prev["tokens_seen"]) / steps, run.tokens_per_step, e["iter"])
+                (e["tokens_seen"] - prev["tokens_seen"]) / steps, run.printed_tokens_per_step, e["iter"])
         prev = e
     for r in run.rank_phases:  # phases cannot add up to more than the step they split
         phases = run.rank_phases[r]
         n = min((len(v) for v in phases.values() if v), default=0)
         for i in range(min(n, len(run.entries))):
             total = sum(phases[p][i] for p in ("data", "compute", "optimizer") if len(phases[p]) > i)
-            if total > run.entries[i]["time_ms"] * (1 + tol):
-                add(f"phases of rank {r} fit in the step", total, run.entries[i]["time_ms"], run.entries[i]["iter"])
+            step = run.entries[i].get("time_ms")
+            if step and total > step * (1 + tol):
+                add(f"phases of rank {r} fit in the step", total, step, run.entries[i]["iter"])
     rows = []
     for name, vals in checks.items():
         err, logged, expected, it = max(vals, key=lambda v: v[0])
@@ -240,21 +265,28 @@ def efficiency(runs: list[Run], mode: str) -> dict:
         row = {"run": r.label, "world_size": r.world, "tokens_per_step": r.tokens_per_step,
                "step_ms": round(r.step_ms, 3), "tokens_per_sec": round(r.tokens_per_sec, 1),
                "tokens_per_sec_per_gpu": round(r.per_gpu, 1),
-               "efficiency": round(r.per_gpu / base.per_gpu, 4) if mode != "not_comparable" else None}
+               "efficiency": round(r.per_gpu / base.per_gpu, 4) if mode not in ("not_comparable", "single_run")
+               else None}
         logged = r.tokens_per_sec_logged
         if logged is not None and base.tokens_per_sec_logged:
             row["efficiency_from_logged_tokens_per_sec"] = round((logged / r.world) / (base.tokens_per_sec_logged / base.world), 4)
         rows.append(row)
+    weak = ("same per-GPU work" if all(r.tokens_per_gpu_step == base.tokens_per_gpu_step for r in runs)
+            else "same micro-batch per GPU, different accumulation")
     definition = {
-        "weak": "same per-GPU work: efficiency = per-GPU tokens/s / baseline per-GPU tokens/s (1.0 = perfect)",
+        "weak": f"{weak}: efficiency = per-GPU tokens/s / baseline per-GPU tokens/s (1.0 = perfect)",
         "strong": "same global batch: efficiency = (baseline step time x baseline GPUs) / (step time x GPUs) "
                   "= per-GPU tokens/s / baseline per-GPU tokens/s",
         "same_world_size": "same world size: efficiency = tokens/s / baseline tokens/s",
         "not_comparable": "neither per-GPU work nor global batch is the same: no efficiency",
+        "single_run": "one run: no scaling claim",
     }[mode]
-    return {"mode": mode, "baseline": base.label, "definition": definition,
-            "basis": "tokens per step from the batch settings over the median step time (not the logged rate)",
-            "runs": rows}
+    basis = "tokens per step from the batch settings over the median step time (not the logged rate)"
+    if any(r.accum != r.accum_printed for r in runs):
+        basis = basis.replace("the batch settings", "the batch settings as reconstructed")
+    if any(not r.has_step_time for r in runs):
+        basis += "; a log without a time per iteration: its logged rate, as reconstructed"
+    return {"mode": mode, "baseline": base.label, "definition": definition, "basis": basis, "runs": rows}
 
 
 def predicted(base: Run, run: Run, gbps: float) -> dict[str, float | None]:
@@ -409,6 +441,117 @@ def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
     return [Finding(kind, severity(v / run.step_ms), title, ev, NEXT_CHECK[kind], score=v / run.step_ms, run=run.label)]
 
 
+# ------------------------------------------------------------------------------ what the reconstruction found
+def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: Thresholds) -> Finding | None:
+    """The logs misreport what ran: say what they really did, whether that explains the scaling the
+    user saw, and what to fix in the logger."""
+    if not rec.corrected:
+        return None
+    by_label = {rr.label: rr for rr in rec.runs}
+    effs = {row["run"]: row["efficiency"] for row in scaling["runs"]}
+    multi = scaling["mode"] not in ("single_run", "not_comparable", "same_world_size")
+    base = runs[0]
+
+    def printed_per_gpu(r: Run) -> float:
+        return r.local_batch * r.accum_printed * r.seq_len / (r.step_ms / 1000)
+
+    printed_eff = min(printed_per_gpu(r) / printed_per_gpu(base) for r in runs)
+    eff = min((v for v in effs.values() if v is not None), default=None)
+    no_loss = multi and eff is not None and eff >= th.efficiency_ok
+    rates = " and ".join(f"{by_label[r.label].tokens_per_sec_per_gpu:,.0f}" for r in runs)
+    if no_loss and any(r.accum != r.accum_printed for r in runs):
+        work = "; ".join(f"{r.label}: {r.accum} micro-step{'s' if r.accum > 1 else ''} per GPU"
+                         + (f", not the {r.accum_printed} printed" if r.accum != r.accum_printed else "") for r in runs)
+        title = (f"No scaling loss: the runs did different work per step ({work}), and each GPU processed "
+                 f"{rates} tokens/s ({eff:.0%} {scaling['mode']}-scaling efficiency).")
+    elif no_loss:
+        wrong = sorted({m for r in runs for m in by_label[r.label].reading})
+        title = (f"No scaling loss ({eff:.0%} {scaling['mode']}-scaling efficiency from step times and batch "
+                 f"settings; each GPU processed {rates} tokens/s), but the logs misreport: "
+                 f"{'; '.join(MISREPORTS[m][0] for m in wrong)}.")
+    else:
+        says = []
+        for r in runs:
+            rr = by_label[r.label]
+            if rr.reading:
+                mfu = f", {rr.mfu_dense_pct:.1f}% MFU on the dense bf16 peak" if rr.mfu_dense_pct is not None else ""
+                says.append(f"{r.label}: {'; '.join(MISREPORTS[m][0] for m in rr.reading)}; corrected, "
+                            f"{rr.micro_steps_per_step} micro-steps per GPU per step and "
+                            f"{rr.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU{mfu}")
+        title = "The logs misreport what ran. " + ". ".join(says) + "."
+        if multi and eff is not None:
+            title += f" Corrected scaling efficiency: {eff:.0%}."
+    ev = {rr.label: {"reading": rr.reading, "micro_steps_per_step": rr.micro_steps_per_step,
+                     "micro_steps_printed": rr.micro_steps_printed,
+                     "tokens_per_sec_per_gpu": round(rr.tokens_per_sec_per_gpu, 1),
+                     "mfu_dense_pct": None if rr.mfu_dense_pct is None else round(rr.mfu_dense_pct, 2),
+                     "printed_dense_peak_share": rr.printed_dense_peak_share} for rr in rec.runs if rr.reading}
+    if multi:
+        ev["scaling_efficiency_printed"] = round(printed_eff, 4)
+        ev["scaling_efficiency_corrected"] = eff
+    throughput = any(m.startswith(("tokens_per_sec", "accumulation")) for rr in rec.runs for m in rr.reading)
+    next_check = ("Fix the logger: " + "; ".join(rec.fixes) + ". Until then, read throughput from the step time "
+                  "and the micro-steps each GPU runs (the reconstruction table), not from the logged rate or MFU.")
+    return Finding("measurement_inconsistency", "high" if throughput else "medium", title, ev, next_check,
+                   score=1.0 if no_loss else 0.05)
+
+
+def insufficient_finding(runs: list[Run]) -> Finding | None:
+    short = [r for r in runs if r.only_warmup]
+    if not short:
+        return None
+    which = ", ".join(f"{r.label} (last iter {r.entries[-1]['iter']})" for r in short)
+    title = (f"Only warm-up entries were logged for {which}: their step time holds start-up and compilation, so "
+             f"no stall, communication or scaling figure can be trusted.")
+    return Finding("insufficient_data", "info", title, {r.label: {"last_iter": r.entries[-1]["iter"],
+                                                                   "entries": r.excluded + len(r.entries)}
+                                                         for r in short}, NEXT_CHECK["insufficient_data"], score=1.0)
+
+
+def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds) -> tuple[str, list[str]]:
+    """How far the verdict can be trusted, and why not further."""
+    level, why = 0, []
+
+    def lower(to: int, reason: str):
+        nonlocal level
+        level = max(level, to)
+        why.append(reason)
+
+    for r in runs:
+        n = len(r.entries)
+        if r.only_warmup:
+            lower(2, f"{r.label}: every logged entry is warm-up, so its step time holds start-up and compilation")
+        elif n < th.min_steady:
+            lower(2 if n == 1 else 1, f"{r.label}: {n} steady log entr{'y' if n == 1 else 'ies'} (fewer than "
+                  f"{th.min_steady}): too few to weigh a difference against step-to-step jitter")
+        if not r.has_step_time:
+            lower(1, f"{r.label}: no time per iteration in the log, so its step time is derived from its logged "
+                     "tokens/s, which no clock can check")
+    for rr in rec.runs if rec else []:
+        if rr.plausibility == "impossible":
+            lower(2, f"{rr.label}: no reading of its log is physically possible ({rr.why})")
+        elif rr.plausibility == "suspect":
+            lower(1, f"{rr.label}: its figures imply only {100 * rr.dense_peak_share:.1f}% of the dense bf16 peak, "
+                     "too little for a GPU that is not starved: a figure may be wrong in a way no reading covers")
+        elif rr.plausibility == "unchecked" and rr.gpu != "cpu" and len(runs) and any(
+                x.label == rr.label and x.hardware.get("device", "cuda") == "cuda" for x in runs):
+            missing = "the GPU" if not rr.peak_tflops_dense else "the model"
+            flag = "--hardware" if not rr.peak_tflops_dense else "--model"
+            lower(1, f"{rr.label}: {missing} is not known ({rr.gpu or 'not in the log'}), so no reading could be "
+                     f"checked against the dense peak (pass {flag})")
+        if rr.ambiguous_with:
+            lower(1, f"{rr.label}: another reading fits its log as well ({'; '.join(rr.ambiguous_with)})")
+    return CONFIDENCE[level], why
+
+
+def trusted(r: Run, rec: Reconstruction | None) -> bool:
+    """Figures a stall, communication or straggler finding may rest on."""
+    if r.only_warmup:
+        return False
+    rr = next((x for x in rec.runs if x.label == r.label), None) if rec else None
+    return rr is None or rr.plausibility != "impossible"
+
+
 # ------------------------------------------------------------------------------ all together
 @dataclass
 class Analysis:
@@ -419,26 +562,34 @@ class Analysis:
     scaling: dict
     gbps: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    reconstruction: Reconstruction | None = None
+    confidence: str = "high"
+    confidence_reasons: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         return self.findings[0].kind
 
 
-def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None) -> Analysis:
+def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None,
+            rec: Reconstruction | None = None) -> Analysis:
+    """`runs` ordered by world size (the first is the baseline); `rec` the reconstruction of their logs."""
     th = th or Thresholds()
     rows, findings = like_for_like(runs)
+    corrected = {rr.label for rr in rec.runs if rr.reading} if rec else set()
     cons = {}
     for r in runs:
         cons[r.label], f = consistency(r, th.consistency_tol)
-        findings += [f] if f else []
+        findings += [f] if f and r.label not in corrected else []  # the reconstruction says what went wrong
     mode = scaling_mode(runs)
     scaling = efficiency(runs, mode)
     effs = {row["run"]: row["efficiency"] for row in scaling["runs"]}
     base = runs[0]
     gbps = {r.label: link_gbps(r, link_override) for r in runs}
     for r in runs:
-        if mode != "not_comparable" and r is not base:
+        if not trusted(r, rec):
+            continue
+        if mode not in ("not_comparable", "single_run") and r is not base and trusted(base, rec):
             if r.has_breakdown and base.has_breakdown:
                 findings += phase_growth(base, r, th, gbps[r.label], effs[r.label])
             else:
@@ -446,20 +597,33 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
         findings += straggler(r, th)
         findings += share_of_step(r, "data", th.data_share)
         findings += share_of_step(r, "idle", th.idle_share)
+    findings += [f for f in (insufficient_finding(runs), misreport_finding(runs, rec, scaling, th) if rec else None) if f]
     findings = merge(findings)
     if not findings:
-        worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
-        title = ("No fault found: every log is self-consistent, the runs are like for like"
-                 + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
-        ev, next_check = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
-        if mode != "not_comparable" and len(runs) > 1:
-            lost = largest_loss(base, runs[-1], gbps[runs[-1].label])
-            if lost:
-                title += " " + lost["text"]
-                ev["largest_loss"] = {k: v for k, v in lost.items() if k not in ("text", "next_check")}
-                next_check = lost["next_check"] or next_check
-        findings = [Finding("healthy", "info", title, ev, next_check)]
-    return Analysis(runs, findings, rows, cons, scaling, gbps)
+        findings = [healthy(runs, scaling, effs, gbps, mode)]
+    level, why = confidence(runs, rec, th)
+    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level,
+                    confidence_reasons=why)
+
+
+def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -> Finding:
+    base = runs[0]
+    if mode == "single_run":
+        title = (f"One run ({base.label}): no fault found in its own figures; no scaling claim (a scaling "
+                 "diagnosis needs a second run at another world size).")
+        return Finding("healthy", "info", title, {"tokens_per_sec_per_gpu": round(base.per_gpu, 1)},
+                       NEXT_CHECK["healthy"])
+    worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
+    title = ("No fault found: every log is self-consistent, the runs are like for like"
+             + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
+    ev, next_check = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
+    if mode != "not_comparable" and len(runs) > 1:
+        lost = largest_loss(base, runs[-1], gbps[runs[-1].label])
+        if lost:
+            title += " " + lost["text"]
+            ev["largest_loss"] = {k: v for k, v in lost.items() if k not in ("text", "next_check")}
+            next_check = lost["next_check"] or next_check
+    return Finding("healthy", "info", title, ev, next_check)
 
 
 # data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
@@ -514,10 +678,11 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
 
 def merge(findings: list[Finding]) -> list[Finding]:
     """One finding per (kind, run), the strongest kept; ranked: config mismatch first (nothing else
-    is like for like), then by what is at stake (share of the step, or relative error)."""
+    is like for like), then too few steps (nothing else is measured), then by what is at stake
+    (share of the step, or relative error)."""
     best: dict[tuple[str, str], Finding] = {}
     for f in findings:
         key = (f.kind, f.run)
         if key not in best or f.score > best[key].score:
             best[key] = f
-    return sorted(best.values(), key=lambda f: (f.kind != "config_mismatch", -f.score, SEVERITY_ORDER[f.severity]))
+    return sorted(best.values(), key=lambda f: (FIRST.get(f.kind, len(FIRST)), -f.score, SEVERITY_ORDER[f.severity]))

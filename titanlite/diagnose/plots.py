@@ -53,7 +53,9 @@ def phases_png(runs: list[Run], effs: dict[str, float | None], path: Path) -> No
         note = f"step {_ms(r.step_ms)}" + (f"\nefficiency {eff:.0%}" if eff is not None else "")
         ax.text(i, max(height, r.step_ms) * 1.02, note, ha="center", va="bottom", fontsize=9)
         top = max(top, height, r.step_ms)
-    ax.set_xticks(range(len(runs)), [f"{r.label}\n{r.accum} micro-step{'s' if r.accum > 1 else ''}" for r in runs])
+    ax.set_xticks(range(len(runs)), [f"{r.label}\n{r.accum} micro-step{'s' if r.accum > 1 else ''}"
+                                     + (f" (printed {r.accum_printed})" if r.accum != r.accum_printed else "")
+                                     for r in runs])
     ax.set_ylim(0, top * 1.25)
     ax.set_ylabel("ms per optimizer step (median rank)")
     ax.set_title("Where each step's time goes, per world size")

@@ -41,15 +41,53 @@ def evidence_lines(ev: dict) -> list[str]:
     return lines
 
 
+def reconstruction_md(a: Analysis) -> list[str]:
+    """The table of what each log really ran, in argument order."""
+    rec = a.reconstruction
+    if rec is None:
+        return []
+    md = ["## What the logs say, reconstructed", "",
+          "Each log's figures checked against one another and against the GPU's dense bf16 peak; the reading "
+          "is the set of misreports that makes the most of them agree and is physically possible.", ""]
+    rows = []
+    for rr in rec.runs:
+        flagged = [f"{k} from the command line" for k in rr.overrides]
+        rows.append([rr.label, f"`{Path(rr.path).name}`", rr.source, str(rr.gpus) + (" (flag)" if "world_size" in rr.overrides
+                                                                                    else ""),
+                     ", ".join(f"`{m}`" for m in rr.reading) or "as logged",
+                     f"{rr.micro_steps_per_step}" + (f" (printed {rr.micro_steps_printed})"
+                                                    if rr.micro_steps_per_step != rr.micro_steps_printed else ""),
+                     num(rr.tokens_per_sec_per_gpu, 0), num(rr.mfu_dense_pct, 1), rr.plausibility,
+                     rr.why + (" " + "; ".join(flagged) + "." if flagged else "")])
+    md += table(["run", "log", "format", "GPUs", "reading", "micro-steps per step", "tokens/s per GPU",
+                 "MFU, dense peak (%)", "physically", "why"], rows)
+    eff = a.scaling
+    if eff["mode"] not in ("single_run", "not_comparable"):
+        md += [f"Scaling efficiency under this reading ({eff['mode'].replace('_', ' ')}): "
+               + ", ".join(f"{row['run']} {row['efficiency']:.1%}" for row in eff["runs"]) + ".", ""]
+    elif eff["mode"] == "single_run":
+        md += ["One log: a single-run report, no scaling claim.", ""]
+    notes: dict[str, list[str]] = {}
+    for rr in rec.runs:
+        for n in rr.notes:
+            notes.setdefault(n, []).append(rr.label)
+    if notes:
+        md += ["Read with assumptions: " + "; ".join(f"{', '.join(who)}: {n}" for n, who in notes.items()) + ".", ""]
+    return md
+
+
 def markdown(a: Analysis) -> str:
     top = a.findings[0]
     effs = {row["run"]: row for row in a.scaling["runs"]}
     md = ["# Scaling diagnosis", "",
           f"**Verdict: `{top.kind}`** ({top.severity}). {top.title}", "",
-          f"**Next check:** {top.next_check}", ""]
+          f"**Next check:** {top.next_check}", "",
+          f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
+          ""]
     if len(a.findings) > 1:
         md += ["Also found: " + "; ".join(f"`{f.kind}` ({f.severity}{', ' + f.run if f.run else ''})"
                                           for f in a.findings[1:]) + ".", ""]
+    md += reconstruction_md(a)
     md += ["## Runs", ""]
     rows = []
     for r in a.runs:
@@ -101,7 +139,7 @@ def markdown(a: Analysis) -> str:
              f"{c['error_pct']:.2f}", "ok" if c["ok"] else "**inconsistent**"]
             for label, checks in a.consistency.items() for c in checks]
     md += table(["run", "check", "worst iter", "logged", "recomputed", "error (%)", "result"], rows)
-    md += ["## Warm-up rule", "", WARMUP_RULE + ".", ""]
+    md += ["## Steady-state rule", "", WARMUP_RULE + ".", ""]
     md += [f"- {r.label}: {r.excluded} warm-up entr{'y' if r.excluded == 1 else 'ies'} excluded, "
            f"{len(r.entries)} used" + (f" ({r.warmup_note})" if r.warmup_note else "") for r in a.runs]
     md += ["", "## Figures", ""] + (a.notes or ["![time per step by phase](phases.png)", "",
@@ -113,7 +151,14 @@ def to_json(a: Analysis) -> dict:
     return {
         "verdict": a.verdict,
         "summary": a.findings[0].title,
+        "confidence": a.confidence,
+        "confidence_reasons": a.confidence_reasons,
         "findings": [f.to_json() for f in a.findings],
+        "reconstruction": None if a.reconstruction is None else {
+            "runs": [rr.to_json() for rr in a.reconstruction.runs],
+            "scaling_efficiency": largest_efficiency(a),
+            "scaling_mode": a.scaling["mode"],
+            "logger_fixes": a.reconstruction.fixes},
         "scaling_efficiency": a.scaling,
         "like_for_like": a.like_for_like,
         "self_consistency": a.consistency,
@@ -122,13 +167,19 @@ def to_json(a: Analysis) -> dict:
         "link_gbps_assumed": a.gbps,
         "runs": [{"run": r.label, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
                   "accumulation": r.accum, "global_batch": r.global_batch, "seq_len": r.seq_len,
-                  "step_ms": r.step_ms, "tokens_per_sec": r.tokens_per_sec,
+                  "micro_steps_per_step": r.accum, "step_ms": r.step_ms, "tokens_per_sec": r.tokens_per_sec,
                   "tokens_per_sec_logged": r.tokens_per_sec_logged, "mfu_logged": r.mfu_logged,
                   "memory_peak_gb": r.memory_gb, "warmup_entries_excluded": r.excluded,
                   "steady_entries": len(r.entries), "breakdown_method": r.breakdown_method,
                   "phases_ms_fastest_rank": {p: r.phase_over_ranks(p) for p in PHASES} if r.has_breakdown else None}
                  for r in a.runs],
     }
+
+
+def largest_efficiency(a: Analysis) -> float | None:
+    """The scaling efficiency of the largest run against the baseline (None for one run or no comparison)."""
+    rows = [row for row in a.scaling["runs"] if row["efficiency"] is not None]
+    return max(rows, key=lambda row: row["world_size"])["efficiency"] if len(rows) > 1 else None
 
 
 def finite(obj):

@@ -1,29 +1,29 @@
-"""Read titanlite run logs into `Run` summaries: steady-state step time, throughput and per-rank phases.
+"""Diagnose's view of a run: steady-state step time, work per step and per-rank phases.
 
-Warm-up rule (stated in every report): a log entry is warm-up when its `iter` is at most
-max(1, 10% of the last logged iter) (plus `training.cuda_graphs_warmup` + 1 when CUDA graphs
-are on): it holds start-up, compilation, allocator growth and graph capture. The remaining
-entries are summarised by their median. If no entry is left, the last entry is used and the
-report says so.
+Logs are read by titanlite.diagnose.readers (any supported format) and split into warm-up and
+steady state by the run log's one rule (titanlite.metrics.run_log.steady); each figure is the
+median over the steady entries. The work per step is what the reconstruction chose
+(titanlite.diagnose.reconstruct): the printed accumulation unless the log's other figures show the
+GPUs ran something else.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titanlite.metrics.run_log import STEADY_RULE, LoggedRun, RunLogError, steady
+
 PHASES = ("data", "compute", "comm", "optimizer", "idle")
-WARMUP_FRACTION = 0.10
-WARMUP_RULE = (f"entries with iter <= max(1, {WARMUP_FRACTION:.0%} of the last logged iter) are warm-up "
-               "(start-up, compilation, allocator growth; plus cuda_graphs_warmup + 1 steps when CUDA graphs "
-               "are on) and are excluded; each figure is the median over the remaining entries")
+WARMUP_RULE = STEADY_RULE + "; each figure is the median over the steady entries"
 
 
-class DiagnoseError(Exception):
-    """Unreadable or incompatible input: the message is one line naming the file and the cause."""
+# unreadable or incompatible input: the message is one line naming the file(s) and the cause
+DiagnoseError = RunLogError
 
 
 @dataclass
@@ -35,12 +35,16 @@ class Run:
     model: dict
     world: int
     local_batch: int
-    accum: int
-    global_batch: int
+    accum: int  # micro-steps per GPU per optimizer step, as reconstructed
+    global_batch: int  # as printed
     seq_len: int
     entries: list[dict]  # steady-state entries
     excluded: int  # warm-up entries dropped
     warmup_note: str = ""
+    only_warmup: bool = False  # every entry is warm-up: `entries` is the last one, start-up included
+    accum_printed: int = 0
+    source: str = "titanlite"
+    step_ms_derived: float | None = None  # a log without a time per iteration: from its rate, as reconstructed
     # per rank: {rank: {phase: [ms per step, one per steady entry]}}; empty without a breakdown
     rank_phases: dict[int, dict[str, list]] = field(default_factory=dict)
     breakdown_method: str | None = None
@@ -48,6 +52,11 @@ class Run:
     # ----------------------------------------------------------------- derived figures
     @property
     def tokens_per_step(self) -> int:
+        return self.local_batch * self.accum * self.world * self.seq_len
+
+    @property
+    def printed_tokens_per_step(self) -> int:
+        """What the log's own settings say a step is (its logged rates are checked against this)."""
         return self.global_batch * self.seq_len
 
     @property
@@ -55,8 +64,17 @@ class Run:
         return self.local_batch * self.accum * self.seq_len
 
     @property
+    def micro_batch_tokens(self) -> int:
+        return self.local_batch * self.seq_len
+
+    @property
+    def has_step_time(self) -> bool:
+        return any(isinstance(e.get("time_ms"), (int, float)) for e in self.entries)
+
+    @property
     def step_ms(self) -> float:
-        return median(e["time_ms"] for e in self.entries)
+        logged = median(e.get("time_ms") for e in self.entries)
+        return logged if logged is not None else self.step_ms_derived
 
     @property
     def tokens_per_sec(self) -> float:
@@ -65,7 +83,9 @@ class Run:
 
     @property
     def tokens_per_sec_logged(self) -> float | None:
-        return median(e.get("tokens_per_sec") for e in self.entries)
+        total = median(e.get("tokens_per_sec") for e in self.entries)
+        per_gpu = median(e.get("tokens_per_sec_per_gpu") for e in self.entries)
+        return total if total is not None else None if per_gpu is None else per_gpu * self.world
 
     @property
     def per_gpu(self) -> float:
@@ -98,7 +118,7 @@ class Run:
 
     @property
     def step_jitter_ms(self) -> float:
-        return iqr(e["time_ms"] for e in self.entries)
+        return iqr(e.get("time_ms") for e in self.entries)
 
     def phase_over_ranks(self, phase: str, how=min) -> float | None:
         """A phase's ms per step reduced over ranks: `min` = what even the fastest rank pays, which
@@ -121,59 +141,54 @@ def median(values) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _require(d: dict, key: str, where: str, path: str):
-    if not isinstance(d, dict) or key not in d or d[key] is None:
-        raise DiagnoseError(f"{path}: not a titanlite run log ({where} has no '{key}')")
-    return d[key]
-
-
-def _int(v, key: str, path: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1 or int(v) != v:
-        raise DiagnoseError(f"{path}: startup_info.config.{key} must be a positive integer, got {v!r}")
-    return int(v)
-
-
-def load_run(path: str | Path) -> Run:
-    path = str(path)
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise DiagnoseError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DiagnoseError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
-    except json.JSONDecodeError as e:
-        raise DiagnoseError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    startup = _require(data, "startup_info", "the file", path)
-    config = _require(startup, "config", "startup_info", path)
-    iters = _require(data, "training_iterations", "the file", path)
-    world = _int(_require(config, "world_size", "startup_info.config", path), "world_size", path)
-    local = _int(_require(config, "batch_size", "startup_info.config", path), "batch_size", path)
-    accum = _int(config.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", path)
-    seq = _int(_require(config, "seq_len", "startup_info.config", path), "seq_len", path)
-    global_batch = _int(config.get("global_batch_size", local * world * accum), "global_batch_size", path)
-    good = [e for e in iters if isinstance(e, dict) and isinstance(e.get("iter"), int)
-            and isinstance(e.get("time_ms"), (int, float)) and e["time_ms"] > 0]
-    if not good:
-        raise DiagnoseError(f"{path}: no training_iterations with 'iter' and a positive 'time_ms' (did the run log a step?)")
-    steady, excluded, note = split_warmup(good, config)
-    run = Run(path=path, label="", config=config, hardware=startup.get("hardware") or {},
-              model=startup.get("model") or {}, world=world, local_batch=local, accum=accum,
-              global_batch=global_batch, seq_len=seq, entries=steady, excluded=excluded, warmup_note=note)
-    run.rank_phases, run.breakdown_method = read_breakdown(steady)
+def build_run(log: LoggedRun, label: str = "", micro_steps: int | None = None,
+              step_ms_derived: float | None = None) -> Run:
+    """A diagnose Run from a read log; `micro_steps` is the reconstructed accumulation (default: as printed)."""
+    cfg = log.config
+    st = steady(log.iterations, cfg)
+    accum = cfg["gradient_accumulation_steps"]
+    global_batch = cfg.get("global_batch_size") or cfg["batch_size"] * accum * cfg["world_size"]
+    run = Run(path=str(log.path), label=label, config=cfg, hardware=log.hardware, model=log.model,
+              world=cfg["world_size"], local_batch=cfg["batch_size"], accum=micro_steps or accum,
+              global_batch=int(global_batch), seq_len=cfg["seq_len"], entries=st.entries,
+              excluded=st.warmup - (1 if st.only_warmup else 0), warmup_note=st.note, only_warmup=st.only_warmup,
+              accum_printed=accum, source=log.source, step_ms_derived=step_ms_derived)
+    run.rank_phases, run.breakdown_method = read_breakdown(st.entries)
     return run
 
 
-def split_warmup(entries: list[dict], config: dict) -> tuple[list[dict], int, str]:
-    last = max(e["iter"] for e in entries)
-    cutoff = max(1, int(WARMUP_FRACTION * last))
-    if config.get("use_cuda_graphs") or config.get("training.cuda_graphs"):
-        cutoff += int(config.get("training.cuda_graphs_warmup", 10)) + 1
-    steady = [e for e in entries if e["iter"] > cutoff]
-    if not steady:
-        return entries[-1:], len(entries) - 1, (f"every entry is within the warm-up (iter <= {cutoff}); "
-                                                f"the last entry (iter {entries[-1]['iter']}) is used")
-    return steady, len(entries) - len(steady), ""
+def load_run(path: str | Path) -> Run:
+    """One log of any supported format, read as printed (no reconstruction)."""
+    from titanlite.diagnose.readers import read
+
+    return build_run(read(path))
+
+
+def labels(logs: list[LoggedRun]) -> list[str]:
+    """'2 GPUs', '8 GPUs', and '#1', '#2' for runs of the same size; ranks for CPU runs."""
+    unit = "GPU" if all(log.hardware.get("device", "cuda") == "cuda" for log in logs) else "rank"
+    worlds = [log.config["world_size"] for log in logs]
+    out, seen = [], {}
+    for w in worlds:
+        seen[w] = seen.get(w, 0) + 1
+        out.append(f"{w} {unit}{'s' if w > 1 else ''}" + (f" #{seen[w]}" if worlds.count(w) > 1 else ""))
+    return out
+
+
+def refuse_duplicates(paths: list[str]) -> None:
+    """The same log twice is no comparison: refuse the same file, and a byte-identical copy."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        try:
+            key = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+        except OSError:
+            continue  # the reader names the problem
+        if key in seen:
+            same = os.path.realpath(seen[key]) == os.path.realpath(p)
+            raise DiagnoseError(f"{seen[key]} and {p} are {'the same file' if same else 'identical logs'}: "
+                                "a scaling diagnosis compares different runs (give one log alone for a "
+                                "single-run report)")
+        seen[key] = p
 
 
 def read_breakdown(entries: list[dict]) -> tuple[dict[int, dict[str, list]], str | None]:
@@ -207,16 +222,7 @@ def read_breakdown(entries: list[dict]) -> tuple[dict[int, dict[str, list]], str
 
 
 def load_runs(paths: list[str]) -> list[Run]:
-    """Load and label the runs, ordered by world size (the smallest is the scaling baseline)."""
-    runs = sorted((load_run(p) for p in paths), key=lambda r: r.world)
-    unit = "GPU" if all(r.device == "cuda" for r in runs) else "rank"
-    counts: dict[int, int] = {}
-    for r in runs:
-        counts[r.world] = counts.get(r.world, 0) + 1
-    seen: dict[int, int] = {}
-    for r in runs:
-        seen[r.world] = seen.get(r.world, 0) + 1
-        r.label = f"{r.world} {unit}{'s' if r.world > 1 else ''}"
-        if counts[r.world] > 1:
-            r.label += f" #{seen[r.world]}"
-    return runs
+    """Read, reconstruct and label the runs, ordered by world size (the smallest is the scaling baseline)."""
+    from titanlite.diagnose import read_and_reconstruct
+
+    return read_and_reconstruct(paths)[0]

@@ -1,18 +1,28 @@
-"""The run log: <dump_folder>/run_<timestamp>.json, valid JSON at every moment.
+"""The run log: the writer, a typed loader, and the one steady-state rule every reader of a log uses.
 
-Each update rewrites a temporary file and renames it over the log (atomic on POSIX), so a run
-killed at any point leaves the last complete version. The layout is what the seed guides'
-analysis snippets read: {"startup_info": {...}, "training_iterations": [{...}, ...]}. It is
-written on one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"`
-(the seeds' live-MFU monitor) parses it.
+`<dump_folder>/run_<timestamp>.json`, valid JSON at every moment: each update rewrites a temporary
+file and renames it over the log (atomic on POSIX), so a run killed at any point leaves the last
+complete version. The layout is what the analysis snippets of the seed guides (the guides written
+for the nanoGPT-style trainer titanlite replaces) read:
+{"startup_info": {"config": {...}, ...}, "training_iterations": [{...}, ...]}. It is written on
+one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"` (their
+live-MFU monitor) parses it.
+
+Readers: `load` / `load_all` give `LoggedRun`s (the tools load through them; diagnose's readers of
+other formats fill the same type), `steady` splits a run's entries into warm-up and steady state
+(every reader of a log, the Trainer's summary included, uses it), and `summarize` gives the
+end-of-run figures over the steady entries.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class RunLog:
@@ -51,3 +61,163 @@ def _unique_stamp(folder: Path) -> str:
         n += 1
         stamp = f"{base}_{n}"
     return stamp
+
+
+# ----------------------------------------------------------------------------------- steady state
+WARMUP_FRACTION = 0.10
+STEADY_RULE = (f"entries with iter <= max(1, {WARMUP_FRACTION:.0%} of the last logged iter) are warm-up "
+               "(start-up, compilation, allocator growth; plus cuda_graphs_warmup + 1 steps when CUDA graphs "
+               "are on), as are entries their logger marks as warm-up; they are excluded and the rest are the "
+               "steady state")
+
+
+@dataclass
+class Steady:
+    """A run's log entries split by the steady-state rule."""
+    entries: list[dict]   # the steady entries; the last entry alone when every entry is warm-up
+    warmup: int           # entries counted as warm-up
+    cutoff: int           # iter <= cutoff is warm-up
+    only_warmup: bool     # no entry is past the warm-up: `entries` holds start-up time
+
+    @property
+    def note(self) -> str:
+        if self.only_warmup and self.entries:
+            return (f"every entry is within the warm-up (iter <= {self.cutoff}); the last entry "
+                    f"(iter {self.entries[-1]['iter']}) is used")
+        return ""
+
+
+def steady(entries: list[dict], config: dict | None = None, warmup_steps: int | None = None) -> Steady:
+    """The one steady-state rule (STEADY_RULE). `warmup_steps` replaces the rule's cutoff with a
+    fixed one (the tools' --warmup: the seed guides skip a fixed count)."""
+    config = config or {}
+    logged = [e for e in entries if isinstance(e.get("iter"), int)]
+    if not logged:
+        return Steady([], 0, 0, True)
+    if warmup_steps is None:
+        cutoff = max(1, int(WARMUP_FRACTION * max(e["iter"] for e in logged)))
+        if config.get("use_cuda_graphs") or config.get("training.cuda_graphs"):
+            cutoff += int(config.get("training.cuda_graphs_warmup", 10)) + 1
+    else:
+        cutoff = warmup_steps
+    rest = [e for e in logged if e["iter"] > cutoff and not e.get("warmup")]
+    if not rest:
+        return Steady(logged[-1:], len(logged), cutoff, True)
+    return Steady(rest, len(logged) - len(rest), cutoff, False)
+
+
+def mean(values) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize(iterations: list[dict], config: dict | None = None, warmup_steps: int | None = None) -> dict:
+    """End-of-run figures: the last loss; over the steady entries the mean tokens/s (all GPUs and
+    per GPU), MFU (%) and step time; the largest peak memory of the whole run. Figures a log does not
+    have are left out rather than given as None."""
+    if not iterations:
+        return {}
+    st = steady(iterations, config, warmup_steps).entries
+    out = {"final_loss": iterations[-1].get("loss"),
+           "tokens_per_sec": mean(e.get("tokens_per_sec") for e in st),
+           "tokens_per_sec_per_gpu": mean(e.get("tokens_per_sec_per_gpu") for e in st),
+           "mfu_pct": mean(e.get("mfu") for e in st),
+           "step_ms": mean(e.get("time_ms") for e in st),
+           "peak_memory_gb": max((e["memory_peak_gb"] for e in iterations if e.get("memory_peak_gb") is not None),
+                                 default=None),
+           "peak_reserved_gb": max((v for e in iterations if (v := e.get("memory_reserved_peak_gb",
+                                                                         e.get("memory_reserved_gb"))) is not None),
+                                   default=None)}
+    digits = {"final_loss": 4, "tokens_per_sec": None, "tokens_per_sec_per_gpu": None, "mfu_pct": 2, "step_ms": 2}
+    return {k: round(v, digits[k]) if k in digits else v for k, v in out.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------- typed loader
+class RunLogError(Exception):
+    """Unreadable input: the message is one line naming the file and the cause."""
+
+
+@dataclass
+class LoggedRun:
+    """One run's log, read into its parts. Readers of other formats (titanlite.diagnose.readers)
+    fill the same fields with the same keys, so everything downstream reads one shape."""
+    path: Path
+    config: dict[str, Any]        # startup_info.config: the seed-snippet keys + every resolved option
+    iterations: list[dict]        # training_iterations: one entry per log step
+    hardware: dict[str, Any] = field(default_factory=dict)   # name, count, peak_tflops_per_gpu, ...
+    model: dict[str, Any] = field(default_factory=dict)      # name, flavor, params, flops_per_token, ...
+    summary: dict[str, Any] = field(default_factory=dict)
+    source: str = "titanlite"     # the format it was read from
+    # settings a command-line flag supplied or replaced: {key: (what the log said or None, the flag's value)}
+    overrides: dict[str, tuple] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what a reader had to assume or derive
+
+    @property
+    def world_size(self) -> int | None:
+        return self.config.get("world_size")
+
+    @property
+    def label(self) -> str:
+        """job.description if set, else the seed guides' naming (the earlier trainer's analysis snippets):
+        compile / DL / CG options joined, or 'baseline'."""
+        cfg = self.config
+        if cfg.get("job.description"):
+            return cfg["job.description"]
+        opts = [name for key, name in (("compile", "compile"), ("use_dataloader", "DL"), ("use_cuda_graphs", "CG"))
+                if cfg.get(key)]
+        return "+".join(opts) if opts else "baseline"
+
+    def steady(self, warmup_steps: int | None = None) -> Steady:
+        return steady(self.iterations, self.config, warmup_steps)
+
+    def summarize(self, warmup_steps: int | None = None) -> dict:
+        return summarize(self.iterations, self.config, warmup_steps)
+
+
+def from_dict(path: Path, data: Any, source: str = "titanlite") -> LoggedRun:
+    """A parsed JSON run log as a LoggedRun; RunLogError naming what is missing."""
+    if not isinstance(data, dict) or "training_iterations" not in data \
+            or not isinstance(data.get("startup_info"), dict) or not isinstance(data["startup_info"].get("config"), dict):
+        raise RunLogError(f"{path}: not a run log (needs startup_info.config and training_iterations)")
+    its = data["training_iterations"]
+    if not isinstance(its, list) or not its:
+        raise RunLogError(f"{path}: the run log has no training_iterations entries yet")
+    s = data["startup_info"]
+    return LoggedRun(Path(path), s["config"], [e for e in its if isinstance(e, dict)],
+                     s.get("hardware") or {}, s.get("model") or {}, data.get("summary") or {}, source)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise RunLogError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunLogError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
+    except json.JSONDecodeError as e:
+        raise RunLogError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load(path: str | os.PathLike) -> LoggedRun:
+    return from_dict(Path(path), read_json(Path(path)))
+
+
+def expand(inputs: list[str]) -> list[Path]:
+    """Files as given; folders become their run_*.json files, oldest first."""
+    out = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.glob("run_*.json"), key=os.path.getmtime)
+            if not found:
+                raise RunLogError(f"{p}: no run_*.json run logs in this folder")
+            out.extend(found)
+        elif p.exists():
+            out.append(p)
+        else:
+            raise RunLogError(f"{p}: no such file or folder")
+    return out
+
+
+def load_all(inputs: list[str]) -> list[LoggedRun]:
+    return [load(p) for p in expand(inputs)]

@@ -29,11 +29,11 @@ def get_model_args(name: str, flavor: str, vocab_size: int = 0) -> ModelArgs:
 
 
 def build_model(args: ModelArgs, attention_backend: str = "manual", max_seq_len: int = 2048,
-                loss_chunk_tokens: int = 2048):
+                loss_chunk_tokens: int = 2048, init: str = "scaled"):
     """Build the plain nn.Module. Call under `torch.device("meta")`, then to_empty + init_weights.
 
     `attention_backend` must be a concrete name (titanlite.ops.attention.resolve_backend).
     """
     from titanlite.models.transformer import Transformer
 
-    return Transformer(args, attention_backend, max_seq_len, loss_chunk_tokens)
+    return Transformer(args, attention_backend, max_seq_len, loss_chunk_tokens, init)

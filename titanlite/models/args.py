@@ -50,7 +50,7 @@ class ModelArgs:
         6N counts the forward (2N) and backward (4N) matmuls of every weight that multiplies an
         activation; the input embedding is a lookup, so it is excluded. 12*L*H*Q*T counts the
         attention score and value matmuls (QK^T and PV, 2 * 2 * H*Q*T forward, twice that in
-        backward) without halving for the causal mask, the convention of the peer and PaLM.
+        backward) without halving for the causal mask, the convention of torchtitan and PaLM.
         """
         return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.hdim * seq_len
 

@@ -18,6 +18,43 @@ from titanlite.ops.attention import build_attention
 from titanlite.ops.loss import chunked_linear_cross_entropy
 
 
+def _init_scaled(model: "Transformer") -> None:
+    """Small embeddings (std 0.02) and one depth scale for the blocks' output projections."""
+    args = model.args
+    nn.init.normal_(model.tok_embeddings.weight, std=1.0 if args.tie_embeddings else 0.02)
+    if args.tie_embeddings:
+        model.tok_embeddings.weight.mul_(args.dim ** -0.5)
+    # Residual-branch outputs get a depth-scaled std so the residual stream's variance stays flat.
+    out_std = 0.02 / math.sqrt(2 * args.n_layers)
+    for block in model.layers.values():
+        for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
+                    block.feed_forward.w3):
+            nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
+        for lin in (block.attention.wo, block.feed_forward.w2):
+            nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+def _init_per_layer(model: "Transformer") -> None:
+    """The Llama reference scheme (torchtitan's default too): unit-variance embeddings, and the
+    weights that write into the residual stream (wo, w2 and w3, which scales w2's input) shrink with
+    each block's own depth, 0.02 / sqrt(2 (layer + 1))."""
+    args = model.args
+    nn.init.normal_(model.tok_embeddings.weight, std=1.0)
+    if args.tie_embeddings:  # the shared matrix is also the output layer: logits need 1/sqrt(dim)
+        model.tok_embeddings.weight.mul_(args.dim ** -0.5)
+    for i, block in enumerate(model.layers.values()):
+        for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
+            nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
+        out_std = 0.02 / math.sqrt(2 * (i + 1))
+        for lin in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
+            nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+# model.init: how init_weights draws the embedding and the blocks' matrices (norms and the output
+# layer are the same in every scheme)
+INITS = {"scaled": _init_scaled, "per_layer": _init_per_layer}
+
+
 def rope_cache(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
     """(seq_len, head_dim) cos and (seq_len, head_dim) sin, stacked: shape (2, seq_len, head_dim)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -98,9 +135,10 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, attention_backend: str = "manual", max_seq_len: int = 2048,
-                 loss_chunk_tokens: int = 2048):
+                 loss_chunk_tokens: int = 2048, init: str = "scaled"):
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
+        self.init = init  # the scheme in INITS that init_weights applies
         self.loss_chunk_tokens = loss_chunk_tokens  # tokens per logits chunk in forward(tokens, labels)
         self.compile_loss = False  # set by titanlite.parallel.apply_compile
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -119,17 +157,8 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:  # to_empty() gives each module a fresh tensor: tie again
             self.output.weight = self.tok_embeddings.weight
         self.rope = rope_cache(self.args.hdim, self.max_seq_len, self.args.rope_theta, device=device)
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.args.tie_embeddings else 0.02)
-        if self.args.tie_embeddings:
-            self.tok_embeddings.weight.mul_(self.args.dim ** -0.5)
-        # Residual-branch outputs get a depth-scaled std so the residual stream's variance stays flat.
-        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        INITS[self.init](self)
         for block in self.layers.values():
-            for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1,
-                        block.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
-            for lin in (block.attention.wo, block.feed_forward.w2):
-                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
             for norm in (block.attention_norm, block.ffn_norm, block.attention.q_norm, block.attention.k_norm):
                 if norm is not None:
                     norm.reset_parameters()

@@ -2,7 +2,8 @@
 
 q: (B, S, Hq, D); k, v: (B, S, Hkv, D) with Hq a multiple of Hkv (GQA); out: (B, S, Hq, D).
 Each backend is a small class in BACKENDS; `resolve_backend` turns a requested name into one that
-can run here, walking the fallback chain FA3 -> FA2 -> SDPA -> manual with a single warning.
+can run here, walking the fallback chain FA4 -> FA3 -> FA2 -> SDPA -> manual with a single warning.
+`auto` takes the first available backend of its GPU's row in AUTO_ORDER.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -126,22 +128,115 @@ class FlashAttn3(FlashAttn):
         return super().available(device) and torch.cuda.get_device_capability(device)[0] == 9
 
 
-BACKENDS = {b.name: b for b in (FlashAttn3, FlashAttn, SDPAcuDNN, SDPAFlash, SDPAEfficient, SDPAAny, Manual)}
+class FlashAttn4:
+    """flash-attn 4 (package flash-attn-4: CuTe DSL kernels for Hopper and Blackwell), GQA native.
+
+    Its Python API is an autograd.Function around JIT-compiled kernels; titanlite calls the kernels
+    through two custom ops of its own (flash_attn_4_forward / _backward below), so a compiled block
+    (fullgraph) holds one opaque op each way instead of tracing the package's Python, and selective
+    activation checkpointing can save the forward's output by op name
+    (torch.ops.titanlite.flash_attn_4_forward).
+    """
+
+    name, module = "flash_attn_4", "flash_attn.cute.interface"
+    capabilities = (9, 10)  # the compute capabilities (major) its forward and backward kernels support
+
+    @classmethod
+    def _load(cls):
+        """The interface module, or None when it is missing or lacks the kernel entry points."""
+        try:
+            mod = importlib.import_module(cls.module)
+        except Exception:  # ImportError, or the CuTe DSL failing to load
+            return None
+        return mod if hasattr(mod, "_flash_attn_fwd") and hasattr(mod, "_flash_attn_bwd") else None
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability(device)[0] in cls.capabilities and cls._load() is not None
+
+    def __call__(self, q, k, v):
+        # contiguous inputs keep the real kernels' outputs and the ops' fake (traced) ones alike
+        return flash_attn_4_forward(q.contiguous(), k.contiguous(), v.contiguous())[0]
+
+
+@torch.library.custom_op("titanlite::flash_attn_4_forward", mutates_args=())
+def flash_attn_4_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention (B, S, Hq, D) and its log-sum-exp (B, Hq, S) in fp32, which the backward reads."""
+    out, lse = FlashAttn4._load()._flash_attn_fwd(q, k, v, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@flash_attn_4_forward.register_fake
+def _fa4_forward_fake(q, k, v):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("titanlite::flash_attn_4_backward", mutates_args=())
+def flash_attn_4_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = FlashAttn4._load()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True)[:3]
+    return dq, dk, dv
+
+
+@flash_attn_4_backward.register_fake
+def _fa4_backward_fake(dout, q, k, v, out, lse):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fa4_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _fa4_backward(ctx, dout, dlse):  # the log-sum-exp is an internal output: its gradient is unused
+    q, k, v, out, lse = ctx.saved_tensors
+    return flash_attn_4_backward(dout.contiguous(), q, k, v, out, lse)
+
+
+flash_attn_4_forward.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
+
+
+BACKENDS = {b.name: b for b in (FlashAttn4, FlashAttn3, FlashAttn, SDPAcuDNN, SDPAFlash, SDPAEfficient, SDPAAny,
+                                 Manual)}
 CHOICES = ["auto", *BACKENDS]  # what model.attention_backend accepts
 
-# What `auto` tries, fastest first (cuDNN SDPA measured 323 vs flash SDPA 206 TFLOP/s fwd+bwd on H100
-# at the 1.36B shapes), and where an unavailable explicit request falls back to.
-AUTO_ORDER = ["flash_attn_3", "sdpa_cudnn", "flash_attn", "sdpa_flash", "sdpa", "manual"]
+# Where an unavailable explicit request falls back to.
 FALLBACK = {
-    "flash_attn_3": "flash_attn", "flash_attn": "sdpa", "sdpa_cudnn": "sdpa", "sdpa_flash": "sdpa",
-    "sdpa_efficient": "sdpa", "sdpa": "manual",
+    "flash_attn_4": "flash_attn_3", "flash_attn_3": "flash_attn", "flash_attn": "sdpa", "sdpa_cudnn": "sdpa",
+    "sdpa_flash": "sdpa", "sdpa_efficient": "sdpa", "sdpa": "manual",
 }
+
+
+class AutoOrder(NamedTuple):
+    backends: tuple[str, ...]  # fastest first: `auto` runs the first one available
+    source: str  # the measurement (or the reason) behind the order
+
+
+# What `auto` tries on a CUDA GPU of each compute capability (major); key 0: any other device.
+# A backend moves up a row only after benchmarks/attention.py (kernel) and benchmarks/compare_peer.py
+# (whole step) measured it faster on that GPU; the figures are in docs/performance.md.
+_SDPA_ORDER = ("flash_attn_3", "sdpa_cudnn", "flash_attn", "sdpa_flash", "sdpa", "manual")
+AUTO_ORDER: dict[int, AutoOrder] = {
+    9: AutoOrder(_SDPA_ORDER, "sdpa_cudnn over sdpa_flash: benchmarks/attention.py on 1 x H100; flash_attn_3 "
+                              "first as its authors publish (not measured here); flash_attn_4 stays out: on 1 x "
+                              "H100 its kernel matched cuDNN at LLaMA 1.36B batch 4 and trailed on Qwen3's GQA "
+                              "shapes, and the whole step gained within the noise (docs/performance.md)"),
+    0: AutoOrder(_SDPA_ORDER, "unmeasured GPUs: availability filters the same order (cuDNN SDPA needs sm90+)"),
+}
+
+
+def auto_order(device: torch.device) -> tuple[str, ...]:
+    """The backends `auto` tries on `device`, fastest first."""
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" and torch.cuda.is_available() else 0
+    return AUTO_ORDER.get(major, AUTO_ORDER[0]).backends
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
     """Name of the backend that will run for `requested` on `device` (warns once on fallback)."""
     if requested == "auto":
-        return next(n for n in AUTO_ORDER if BACKENDS[n].available(device))
+        return next(n for n in auto_order(device) if BACKENDS[n].available(device))
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend '{requested}'; choose from auto, {', '.join(BACKENDS)}")
     name = requested

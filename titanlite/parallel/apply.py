@@ -172,9 +172,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.init_weights(buffer_device=device)
 
 
-def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
+def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
     """Take the meta-device model spec; return the materialised, initialised, wrapped model. The
-    combination of settings was checked when `dims` were made (init_distributed)."""
+    combination of settings was checked when `dims` were made (init_distributed).
+
+    `wrap(model, cfg, dims)` replaces the mode's data-parallel wrapper: estimation's fake run wraps
+    fake tensors on a fake process group, which needs a prebuilt mesh and its own DDP comm hook."""
     if cfg.float8.enable:
         apply_float8(model, cfg, dims)
     if cfg.activation_checkpoint.mode != "none":
@@ -185,5 +188,5 @@ def parallelize(model: nn.Module, cfg, dims) -> nn.Module:
     if bf16_copies(cfg, dims.world_size, dims.device.type):
         apply_bf16_params(model, dims.mode)  # before ddp, whose buckets take the gradients' dtype
     if dims.world_size > 1 and dims.mode != "none":
-        model = DATA_PARALLEL[dims.mode](model, cfg, dims)
+        model = (wrap or DATA_PARALLEL[dims.mode])(model, cfg, dims)
     return model

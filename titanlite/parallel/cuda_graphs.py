@@ -19,13 +19,14 @@ that all of them fall back together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
 import torch.distributed as dist
 
-from titanlite.parallel.data_parallel import clip_grad_norm, grad_sync
 from titanlite.parallel.modes import MODES
+from titanlite.step import TrainStep
 
 logger = logging.getLogger("titanlite")
 
@@ -33,10 +34,10 @@ logger = logging.getLogger("titanlite")
 class CudaGraphStep:
     """Warm-up stream, capture, replay and fallback for the whole training iteration."""
 
-    def __init__(self, model, optimizer, loss_fn, grad_accum: int, max_norm: float, device: torch.device,
-                 warmup: int, dp_mode: str):
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.grad_accum, self.max_norm, self.device = grad_accum, max_norm, device
+    def __init__(self, step: TrainStep, device: torch.device, warmup: int, dp_mode: str):
+        # The captured step keeps its gradients: the first backward of each replay writes them afresh
+        self.step_fn = dataclasses.replace(step, zero_grad=False)
+        self.optimizer, self.grad_accum, self.device = step.optimizer, step.grad_accum, device
         self.warmup = max(warmup, MODES[dp_mode].min_graph_warmup)  # DDP settles its buckets first
         self.graph = None
         self.failed = False
@@ -51,18 +52,17 @@ class CudaGraphStep:
         return True, ""
 
     @classmethod
-    def build(cls, trainer) -> "CudaGraphStep | None":
-        """The trainer's graph helper, or None (logged once) when CUDA graphs cannot run here."""
-        cfg = trainer.cfg
-        if not cfg.training.cuda_graphs:
+    def build(cls, enabled: bool, step: TrainStep, device: torch.device, warmup: int, dp_mode: str,
+              is_main: bool = True) -> "CudaGraphStep | None":
+        """The graph helper, or None (logged once) when CUDA graphs are off or cannot run here."""
+        if not enabled:
             return None
-        ok, why = cls.available(trainer.device)
+        ok, why = cls.available(device)
         if not ok:
-            if trainer.dims.is_main:
+            if is_main:
                 logger.warning(f"training.cuda_graphs is unavailable: {why}; training eagerly")
             return None
-        return cls(trainer.model, trainer.optimizer, trainer.forward_loss, trainer.grad_accum,
-                   cfg.training.max_norm, trainer.device, cfg.training.cuda_graphs_warmup, trainer.dims.mode)
+        return cls(step, device, warmup, dp_mode)
 
     def ready(self, steps_done: int) -> bool:
         """True when this step should capture or replay (warm-up done, no earlier failure)."""
@@ -82,24 +82,13 @@ class CudaGraphStep:
             yield
         torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
-    def iteration(self, batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """The eager training step without host-side timers: what gets captured."""
-        total = torch.zeros((), device=self.device)
-        for i, (inputs, labels) in enumerate(batches):
-            with grad_sync(self.model, i == len(batches) - 1):
-                loss = self.loss_fn(inputs, labels) / self.grad_accum
-                loss.backward()
-            total += loss.detach()
-        grad_norm = clip_grad_norm(self.model, self.max_norm, self.optimizer)  # fused where it can be, as eager
-        self.optimizer.step()
-        return total, grad_norm
-
     def _capture(self, batches) -> None:
         self.static_batches = [(x.clone(), y.clone()) for x, y in batches]
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.static_out = self.iteration(self.static_batches)
+        with torch.cuda.graph(graph):  # the eager step without hooks: what gets captured
+            out = self.step_fn(self.static_batches.__getitem__)
+            self.static_out = out.loss, out.grad_norm
         self.graph = graph
 
     def _agree(self, failed: bool) -> bool:

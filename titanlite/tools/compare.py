@@ -1,8 +1,8 @@
 """Compare runs in the seed guides' table: python -m titanlite.tools.compare RUN_OR_DIR... [--warmup N] [--csv FILE]
 
 Columns: Config (label), GPUs, BS (local batch), GA (accumulation), MFU (mean %), Tokens/s (mean,
-all GPUs), Peak GB (max over the run), Loss (last), Run (file name). Means skip the first --warmup
-log entries, as the seeds' snippets skip 50.
+all GPUs), Peak GB (max over the run), Loss (last), Run (file name). Means are over the steady
+entries (titanlite.metrics.run_log.steady); --warmup N counts steps up to N as warm-up instead.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import argparse
 import csv
 import sys
 
-from titanlite.tools.runs import Run, RunLogError, load_all, mean
+from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, mean
 
 COLUMNS = ("Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak GB", "Loss", "Run")
 
 
-def row(run: Run, warmup: int) -> dict:
-    cfg, steady = run.config, run.steady(warmup)
+def row(run: LoggedRun, warmup: int | None) -> dict:
+    cfg, steady = run.config, run.steady(warmup).entries
     return {"Config": run.label, "GPUs": cfg.get("world_size"), "BS": cfg.get("batch_size"),
             "GA": cfg.get("gradient_accumulation_steps"), "MFU": mean(e.get("mfu") for e in steady),
             "Tokens/s": mean(e.get("tokens_per_sec") for e in steady),
@@ -43,7 +43,9 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titanlite.tools.compare", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run_*.json files or folders holding them")
-    ap.add_argument("--warmup", type=int, default=50, help="log entries skipped before averaging (default 50)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps up to this one are warm-up (default: the run log's steady-state rule; "
+                         "the seed guides' snippets skip a fixed count)")
     ap.add_argument("--csv", help="also write the table as CSV to this file")
     args = ap.parse_args(argv)
     try:

@@ -4,7 +4,7 @@ Writes, with all runs overlaid (legend = config label and file name):
   loss.png, tokens_per_sec.png, mfu.png (runs with a known peak only), memory.png (peak GiB),
   overview.png (the four as one 2x2 figure), and per run with a timing breakdown
   breakdown_<run>.png: per-rank stacked bars of data / compute / comm / optimizer / idle (ms per
-  step, mean over the steady log entries) against the measured step time.
+  step, mean over the steady log entries: titanlite.metrics.run_log.steady) against the measured step time.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from titanlite.tools.runs import Run, RunLogError, load_all, mean
+from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, mean
 
 # (file stem, run-log key, y label)
 SERIES = [("loss", "loss", "training loss"), ("tokens_per_sec", "tokens_per_sec", "tokens / s (all GPUs)"),
@@ -21,12 +21,12 @@ SERIES = [("loss", "loss", "training loss"), ("tokens_per_sec", "tokens_per_sec"
 PHASES = ("data", "compute", "comm", "optimizer", "idle")
 
 
-def _series(run: Run, key: str):
+def _series(run: LoggedRun, key: str):
     pts = [(e["iter"], e[key]) for e in run.iterations if e.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _draw(ax, runs: list[Run], key: str, ylabel: str) -> bool:
+def _draw(ax, runs: list[LoggedRun], key: str, ylabel: str) -> bool:
     drawn = False
     for run in runs:
         x, y = _series(run, key)
@@ -41,8 +41,8 @@ def _draw(ax, runs: list[Run], key: str, ylabel: str) -> bool:
     return drawn
 
 
-def plot_breakdown(run: Run, warmup: int, path: str, plt) -> bool:
-    steady = [e for e in run.steady(warmup) if e.get("breakdown")]
+def plot_breakdown(run: LoggedRun, warmup: int | None, path: str, plt) -> bool:
+    steady = [e for e in run.steady(warmup).entries if e.get("breakdown")]
     if not steady:
         return False
     ranks = sorted({r["rank"] for e in steady for r in e["breakdown"]["ranks"]})
@@ -65,7 +65,7 @@ def plot_breakdown(run: Run, warmup: int, path: str, plt) -> bool:
     return True
 
 
-def write_plots(runs: list[Run], out: str, warmup: int = 50) -> list[str]:
+def write_plots(runs: list[LoggedRun], out: str, warmup: int | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titanlite.tools.plot", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run_*.json files or folders holding them")
     ap.add_argument("--out", required=True, help="folder for the PNG files (created)")
-    ap.add_argument("--warmup", type=int, default=50, help="log entries skipped for the breakdown means (default 50)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps up to this one are left out of the breakdown means (default: the run log's "
+                         "steady-state rule)")
     args = ap.parse_args(argv)
     try:
         runs = load_all(args.runs)

@@ -1,0 +1,158 @@
+"""Attention kernels, forward + backward, causal bf16: every backend available here, one table.
+
+  python benchmarks/attention.py [--backends flash_attn_4,sdpa_cudnn] [--iters 20]
+
+Shapes are the models' own (titanlite.models): LLaMA 1.36B at batch 4 and 8 (18 heads of 128) and
+Qwen3 1.8B at batch 4 (GQA: 16 query, 8 K/V heads of 128), sequence 2048. Each backend runs as
+titanlite's model calls it (titanlite.ops.attention): the pinned SDPA kernels get K/V expanded to
+the query heads, flash-attn takes them as they are. TFLOP/s counts causal FLOPs: the forward's two
+matmuls over half the S x S square, 2 * B * Hq * S^2 * D, and the backward 2.5 times that (the
+convention of flash-attention's benchmarks). `first s` is the first call (flash-attn 4 compiles its
+kernels then; cuDNN builds its plan). `auto` (AUTO_ORDER in titanlite/ops/attention.py) is what this
+GPU's row picks. Writes attention.md and attention.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import launch  # noqa: E402  (benchmarks/launch.py: the benchmarks' argument parser)
+from titanlite.models import get_model_args  # noqa: E402
+
+# label -> (model, flavor, batch); heads and head size come from the flavor
+SHAPES = {"llama 1.36B b4": ("llama", "1.36B", 4), "llama 1.36B b8": ("llama", "1.36B", 8),
+          "qwen3 1.8B b4": ("qwen3", "1.8B", 4)}
+SEQ = 2048
+
+
+def shape(label: str) -> tuple[int, int, int, int, int]:
+    """(B, Hq, Hkv, S, D) of a SHAPES entry."""
+    model, flavor, batch = SHAPES[label]
+    a = get_model_args(model, flavor)
+    return batch, a.n_heads, a.kv_heads, SEQ, a.hdim
+
+
+def causal_flops(b: int, hq: int, s: int, d: int) -> float:
+    """Forward + backward FLOPs of causal attention: 2*B*Hq*S^2*D forward (QK^T and PV over half the square), 2.5x that backward."""
+    return 3.5 * 2 * b * hq * s * s * d
+
+
+def time_backend(name: str, shp: tuple[int, int, int, int, int], iters: int, warmup: int = 3) -> dict:
+    """ms per forward + backward (mean of `iters` after warm-up) and the first call's seconds."""
+    import torch
+
+    from titanlite.ops.attention import build_attention
+
+    b, hq, hkv, s, d = shp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    q, k, v = mk(hq), mk(hkv), mk(hkv)
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    attn = build_attention(name)
+
+    def step():
+        torch.autograd.grad(attn(q, k, v), (q, k, v), dout)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    return {"ms": ms, "tflops": causal_flops(b, hq, s, d) / (ms / 1e3) / 1e12, "first_s": first}
+
+
+def table(rows: list[dict], auto: str) -> str:
+    """Markdown: one row per (shape, backend), with each shape's TFLOP/s relative to sdpa_cudnn."""
+    lines = ["| shape (B, Hq/Hkv, S, D) | backend | ms fwd+bwd | TFLOP/s | vs sdpa_cudnn | first s | note |",
+             "|---|---|---|---|---|---|---|"]
+    base = {r["shape"]: r["tflops"] for r in rows if r["backend"] == "sdpa_cudnn" and "tflops" in r}
+    for r in rows:
+        b, hq, hkv, s, d = r["dims"]
+        where = f"{r['shape']} ({b}, {hq}/{hkv}, {s}, {d})"
+        name = r["backend"] + (" (auto)" if r["backend"] == auto else "")
+        if "error" in r:
+            lines.append(f"| {where} | {name} | - | - | - | - | {r['error']} |")
+            continue
+        rel = f"{r['tflops'] / base[r['shape']]:.3f}" if r["shape"] in base else "-"
+        lines.append(f"| {where} | {name} | {r['ms']:.2f} | {r['tflops']:.0f} | {rel} | {r['first_s']:.1f} | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from titanlite.ops.attention import BACKENDS
+
+    ap = launch.Parser(__doc__)
+    ap.add_argument("--backends", default="", help=f"comma-separated (default: every available one but manual): "
+                                                   f"{', '.join(BACKENDS)}")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: {', '.join(SHAPES)}")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/attention"))
+    a = ap.parse_args(argv)
+    a.backends = [n for n in a.backends.split(",") if n]
+    a.shapes = [s for s in a.shapes.split(",") if s]
+    bad = [n for n in a.backends if n not in BACKENDS] + [s for s in a.shapes if s not in SHAPES]
+    if bad:
+        ap.error(f"unknown backend or shape: {', '.join(bad)}")
+    if a.iters < 1:
+        ap.error("--iters must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    from titanlite.ops.attention import BACKENDS, resolve_backend
+
+    if not torch.cuda.is_available():
+        print("attention: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    dev = torch.device("cuda")
+    names = a.backends or [n for n in BACKENDS if n != "manual"]
+    missing = [n for n in names if not BACKENDS[n].available(dev)]
+    names = [n for n in names if n not in missing]
+    auto = resolve_backend("auto", dev)
+    rows = []
+    for label in a.shapes:
+        dims = shape(label)
+        for name in names:
+            row = {"shape": label, "dims": dims, "backend": name}
+            try:
+                row.update(time_backend(name, dims, a.iters))
+            except Exception as e:  # a backend that cannot run this shape is a row, not a stop
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            rows.append(row)
+            print(f"  {label} {name}: " + (row.get("error") or f"{row['ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s, "
+                                                               f"first call {row['first_s']:.1f} s"), flush=True)
+            torch.cuda.empty_cache()
+    cap = torch.cuda.get_device_capability(dev)
+    text = (f"{torch.cuda.get_device_name(dev)} (sm{cap[0]}{cap[1]}), torch {torch.__version__}, causal bf16, "
+            f"forward + backward, {a.iters} iterations; not available here: {', '.join(missing) or 'none'}\n\n"
+            + table(rows, auto))
+    print("\n" + text)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.md").write_text(text + "\n")
+    (out / "attention.json").write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "capability": cap,
+                                                    "torch": torch.__version__, "auto": auto, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

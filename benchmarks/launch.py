@@ -1,0 +1,320 @@
+"""The one launcher of the GPU benchmarks: titanlite runs on 1 or N GPUs, torchtitan runs, and their
+steady-state figures read by one rule.
+
+Every benchmark script starts its runs here, so that each run
+- is a process group of its own with a timeout: a hang or a crash becomes a table row with the line
+  that says why, and a timed-out run leaves no worker behind on the GPUs;
+- gets BENCH_ENV: NVLink multicast off in NCCL, PyTorch and NVSHMEM (the lent multi-GPU machines
+  need it: a program that uses multicast there can take the shared host's GPUs out of service),
+  run_train.sh's allocator default and flash-attn 4's kernel cache on disk, each only where the
+  environment does not set it already. The product (run_train.sh, titanlite.train) sets none of the
+  multicast variables;
+- keeps its whole output in WORK/<name>.log and its run folder in WORK/<name>/. Scripts write only
+  a table and a JSON of results to --out ($OUT on the GPU machine, which returns at most 8 files).
+
+The peer is torchtitan, the PyTorch reference trainer, run from its published wheels: 0.2.2 (the
+last TOML-driven release) through .bench/torchtitan_anchor/run.sh and 0.3.0 (Python config
+registries) through .bench/torchtitan_v030/run.sh. Prepare them on the CPU machine with
+`bash ../shared/bench/wheels.sh --peer` and `cp -r ../shared/bench .bench`, and carry .whl, .whl3
+and .bench. Their step lines are parsed into the keys of titanlite's run log, so one rule reads both.
+
+One titanlite configuration at the peer's shapes (LLaMA 1.36B, local batch 4, seq 2048):
+  python benchmarks/launch.py [--ngpus N] [--steps 30] [--skip 15] -- --compile.enable [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(tempfile.gettempdir()) / "titanlite_bench"  # run folders and whole outputs; not returned
+
+BENCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+             "PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1",
+             # flash-attn 4 compiles its kernels at first use: keep them on disk for the next run's process
+             "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
+
+# torchtitan's shapes: LLaMA 1.36B, local batch 4, seq 2048, warm-up 10; synthetic tokens, so no
+# tokenizer or data preparation enters the timing.
+PEER_SHAPES = ["--model.name", "llama", "--model.flavor", "1.36B", "--training.dataset", "synthetic",
+               "--training.local_batch_size", "4", "--training.seq_len", "2048", "--lr_scheduler.warmup_steps", "10",
+               "--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false"]
+
+PEERS = {"0.2.2": ".bench/torchtitan_anchor/run.sh", "0.3.0": ".bench/torchtitan_v030/run.sh"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for the benchmark scripts, with titanlite's rule for bad input: one line, exit 2."""
+
+    def __init__(self, doc: str, **kw):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+@dataclass
+class Result:
+    """One launched run: what ran, how it ended, and its log entries (titanlite's run-log keys)."""
+    name: str
+    ngpus: int
+    cmd: list[str]
+    rc: int | None = None  # None: killed at the timeout
+    wall_s: float = 0.0
+    error: str | None = None  # the line that says why it failed
+    entries: list[dict] = field(default_factory=list)  # training_iterations, or the peer's parsed step lines
+    startup: dict = field(default_factory=dict)  # titanlite's startup_info
+    output: str = ""  # the whole output (kept in WORK/<name>.log; only its tail goes into results files)
+
+    def figures(self, skip: int) -> dict:
+        return figures(self.entries, skip)
+
+
+def bench_env(extra: dict | None = None) -> dict:
+    """The environment of a launched run: BENCH_ENV under whatever the caller's environment sets."""
+    return {**BENCH_ENV, **os.environ, **(extra or {})}
+
+
+def command(ngpus: int, target: list[str]) -> list[str]:
+    """`python TARGET` on one GPU, torchrun over `ngpus` GPUs of this host otherwise (TARGET: -m module or a script)."""
+    if ngpus == 1:
+        return [sys.executable, *target]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpus}", *target]
+
+
+def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Path = ROOT,
+            env: dict | None = None) -> tuple[int | None, str, float]:
+    """Run `cmd` as its own process group; kill the group at `timeout` s. Returns (rc or None, output, seconds)."""
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / f"{name}.log"
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        p = subprocess.Popen(cmd, cwd=cwd, env=bench_env(env), stdout=fh, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            _kill_group(p)
+    text = log.read_text(errors="replace")
+    return rc, text, time.time() - t0
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """End a timed-out run: its process group, then whatever of its descendants is left (torchrun
+    starts each worker in a new process group (setsid), so ours alone would leave them on the GPUs)."""
+    pids = _descendants(p.pid)
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            p.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM and not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parent.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+_EXCEPTION = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
+
+
+def error_line(text: str, rc: int | None, timeout: int | None = None) -> str | None:
+    """Why a run failed, in one line: None for exit 0; at a timeout, that; else the last exception the
+    program raised (not torchrun's ChildFailedError wrapper), else a line starting with 'error:'
+    (titanlite's one-line input errors), else the last line."""
+    if rc == 0:
+        return None
+    if rc is None:
+        return f"timeout after {timeout}s" if timeout else "timeout"
+    lines = [ln.strip() for ln in _strip_ansi(text).splitlines() if ln.strip()]
+    why = last_exception(text) or next((ln for ln in reversed(lines) if ln.lower().startswith("error:")), None)
+    return f"exit {rc}: {(why or (lines or [''])[-1])[:200]}"
+
+
+def last_exception(text: str) -> str | None:
+    """The last 'SomeError: message' line of a Python traceback in `text` (rank prefixes removed)."""
+    found = [m[1] for ln in _strip_ansi(text).splitlines()
+             if (m := _EXCEPTION.match(ln.strip())) and "ChildFailedError" not in ln]
+    return found[-1] if found else None
+
+
+def _strip_ansi(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+# ------------------------------------------------------------------------------------------ titanlite
+def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_freq: int = 5, timeout: int = 420,
+              work: Path = WORK, base: list[str] | None = None) -> Result:
+    """One titanlite training run (`python -m titanlite.train BASE ARGS`); its run log read back."""
+    folder = work / name
+    if folder.exists():
+        for old in folder.glob("run_*.json"):
+            old.unlink()
+    cmd = command(ngpus, ["-m", "titanlite.train", *(PEER_SHAPES if base is None else base), *args,
+                          "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+                          "--job.dump_folder", str(folder)])
+    rc, text, wall = execute(name, cmd, timeout, work)
+    res = Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text)
+    logs = sorted(folder.glob("run_*.json"), key=os.path.getmtime)
+    if logs:
+        data = json.loads(logs[-1].read_text())
+        res.entries, res.startup = data.get("training_iterations", []), data.get("startup_info", {})
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {res.error or 'ok'} in {wall:.0f}s", flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------- the steady-state rule
+def steady(entries: list[dict], skip: int) -> list[dict]:
+    """Log entries of the steady state: those after step `skip` (compilation, warm-up and CUDA-graph
+    capture fall before it), by the project's one rule (titanlite.metrics.run_log.steady), which reads
+    titanlite's run log and torchtitan's step lines alike."""
+    from titanlite.metrics.run_log import steady as rule
+
+    return rule(entries, warmup_steps=skip).entries
+
+
+def figures(entries: list[dict], skip: int) -> dict:
+    """Steady means of tokens/s per GPU, MFU and step time; peaks of allocated and reserved memory
+    over the whole run (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    if not entries:
+        return {}
+    s = steady(entries, skip)
+
+    def mean(key):
+        vals = [e[key] for e in s if e.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def peak(key):
+        vals = [e[key] for e in entries if e.get(key) is not None]
+        return max(vals) if vals else None
+
+    return {"tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu"), "ms": mean("time_ms"),
+            "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s)}
+
+
+def step_losses(entries: list[dict]) -> dict[int, float]:
+    """step -> loss of every optimizer step in titanlite's log entries (each entry's step_losses end at its iter)."""
+    out = {}
+    for e in entries:
+        losses = e.get("step_losses") or [e["loss"]]
+        out.update({e["iter"] - len(losses) + 1 + i: v for i, v in enumerate(losses)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ torchtitan
+# torchtitan's console line (0.2.2 and 0.3.0 print the same), e.g.
+#   step: 25  loss:  2.75503  grad_norm:  0.3321  memory: 28.80GiB(30.31%)  tps: 53,409  tflops: 356.06  mfu: 45.12%
+# "memory" is the caching allocator's max reserved since the previous line.
+PEER_STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*([\d.]+)GiB"
+                       r".*?tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+%|N/A)")
+
+
+def parse_peer(text: str) -> list[dict]:
+    """torchtitan's step lines as run-log entries (iter, loss, grad_norm, memory_reserved_peak_gb,
+    tokens_per_sec_per_gpu, tflops, mfu), one per step, in order."""
+    out = {}
+    for m in PEER_STEP.finditer(_strip_ansi(text)):
+        mfu = None if m[7] == "N/A" else float(m[7].rstrip("%"))
+        out[int(m[1])] = {"iter": int(m[1]), "loss": float(m[2]), "grad_norm": float(m[3]),
+                          "memory_reserved_peak_gb": float(m[4]), "tokens_per_sec_per_gpu": float(m[5].replace(",", "")),
+                          "tflops": float(m[6].replace(",", "")), "mfu": mfu}
+    return [out[k] for k in sorted(out)]
+
+
+def peer(version: str, ngpus: int = 1, overrides: list[str] | None = None, timeout: int = 600, work: Path = WORK,
+         name: str = "") -> Result:
+    """One torchtitan run through its run.sh (which installs the carried wheels); its step lines parsed."""
+    script = ROOT / PEERS[version]
+    name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", f"torchtitan_{version}_{ngpus}gpu_{'_'.join(overrides or [])}")[:120]
+    cmd = ["bash", str(script), str(ngpus), *(overrides or [])]
+    if not script.exists():
+        return Result(name, ngpus, cmd, 2, error=f"torchtitan {version} is not here: carry .bench (cp -r "
+                                                 f"../shared/bench .bench) and the wheels (wheels.sh --peer)")
+    rc, text, wall = execute(name, cmd, timeout, work)
+    entries = parse_peer(text)
+    # run.sh ends in a pipe (grep | tail) and exits 0 whatever torchtitan did: its output decides
+    exc = last_exception(text)
+    error = (error_line(text, rc, timeout) if rc != 0 else None) or (exc[:200] if exc else None) or \
+        (None if entries else "no step lines in torchtitan's output")
+    res = Result(name, ngpus, cmd, rc, wall, error, entries, output=text)
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {res.error or 'ok'} in {wall:.0f}s", flush=True)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- results
+def save(out: Path, stem: str, table: str, results: list[Result], extra: dict | None = None,
+         tail_lines: int = 60) -> None:
+    """Write OUT/STEM.md (the table) and OUT/STEM.json (every run: command, outcome, figures' entries,
+    the tail of its output), the two files a benchmark returns from the GPU machine."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(table + "\n")
+    runs = []
+    for r in results:
+        d = asdict(r)
+        d["output"] = "\n".join(r.output.splitlines()[-tail_lines:])
+        runs.append(d)
+    (out / f"{stem}.json").write_text(json.dumps({**(extra or {}), "runs": runs}, indent=1, default=str))
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = Parser(__doc__)
+    ap.add_argument("--ngpus", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=15, help="log steps up to this one are warm-up")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds before the run is killed")
+    ap.add_argument("--name", default="run")
+    a = ap.parse_args(own)
+    if a.ngpus < 1 or a.steps < 1:
+        ap.error("--ngpus and --steps must be positive")
+    r = titanlite(a.name, rest, a.ngpus, a.steps, 5, a.timeout)
+    f = r.figures(a.skip)
+    print(f"{a.name}: {r.error or 'ok'} | tok/s/GPU {fmt(f.get('tps_gpu'), ',.0f')} | MFU {fmt(f.get('mfu'), '.1f')}% "
+          f"| peak allocated {fmt(f.get('mem'), '.2f')} GiB, reserved {fmt(f.get('reserved'), '.2f')} GiB "
+          f"| {f.get('steps', 0)} steady log steps | log {WORK / (a.name + '.log')}")
+    return 0 if r.error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

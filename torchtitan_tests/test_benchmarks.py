@@ -1,0 +1,286 @@
+"""The GPU benchmark scripts' CPU parts: the launcher's steady-state rule, run and error handling,
+torchtitan's log lines, the tables, and loss_parity's token stream, TensorBoard reading and plot.
+
+The torchtitan samples are its console lines in the format its metrics code prints (0.2.2 and 0.3.0
+alike), as run.sh passes them on (colours removed there; one sample keeps them to check the parser).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import compare_peer  # noqa: E402
+import launch  # noqa: E402
+import loss_parity  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
+bench_attention = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_attention)
+
+PEER_022 = """\
+[rank0]:[titanlite] Peak FLOPS used for computing MFU: 9.890e+14
+[rank0]:\x1b[31mstep:  1  \x1b[32mloss: 10.87312  \x1b[33mgrad_norm: 11.2345  \x1b[36mmemory: 22.10GiB(23.25%)  \x1b[34mtps: 1,203  \x1b[36mtflops: 8.01  \x1b[35mmfu: 0.81%\x1b[39m
+[rank0]:step: 20  loss:  3.51230  grad_norm:  0.8123  memory: 28.80GiB(30.31%)  tps: 53,311  tflops: 355.40  mfu: 44.94%
+[rank0]:validate step: 20  loss:  3.6000  memory: 28.80GiB(30.31%)  tps: 99,999
+[rank0]:step: 25  loss:  2.98760  grad_norm:  0.5500  memory: 28.79GiB(30.30%)  tps: 53,509  tflops: 356.72  mfu: 45.31%
+[rank0]:step: 30  loss:  2.75503  grad_norm:  0.4012  memory: 28.80GiB(30.31%)  tps: 53,407  tflops: 356.04  mfu: 45.12%
+"""
+PEER_030_NA = "step: 30  loss:  2.75500  grad_norm:  0.4000  memory: 31.12GiB(32.74%)  tps: 46,205  tflops: 308.03  mfu: N/A\n"
+PEER_030_FAILED = """\
+[rank0]:[titanlite] launch3: torch 2.11 stand-ins installed by tt3_shim: ['torch.distributed.set_timeout']
+[rank0]:Traceback (most recent call last):
+[rank0]:TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+
+
+# -------------------------------------------------------------------------------- launch.py: reading
+def entries(*iters, tps=1000.0, mem=10.0):
+    return [{"iter": i, "tokens_per_sec_per_gpu": tps * i, "mfu": 1.0 * i, "time_ms": 100.0 / i,
+             "memory_peak_gb": mem + i, "memory_reserved_peak_gb": mem + 2 * i} for i in iters]
+
+
+def test_benchmarks_use_the_one_steady_rule():
+    es = entries(1, 5, 10, 15, 20)
+    assert [e["iter"] for e in launch.steady(es, 10)] == [15, 20]
+    assert [e["iter"] for e in launch.steady(es, 30)] == [20]  # nothing after skip: the last entry (run_log.steady)
+    assert [e["iter"] for e in launch.steady(es[:1], 30)] == [1]
+
+
+def test_figures_average_the_steady_state_and_take_peaks_over_the_run():
+    f = launch.figures(entries(1, 10, 20, 30), 10)
+    assert f["tps_gpu"] == pytest.approx(25_000) and f["mfu"] == pytest.approx(25) and f["steps"] == 2
+    assert f["mem"] == 40 and f["reserved"] == 70  # peaks include the warm-up entries
+    assert launch.figures([], 10) == {}
+
+
+def test_step_losses_place_every_optimizer_step():
+    es = [{"iter": 2, "loss": 2.0, "step_losses": [3.0, 2.0]}, {"iter": 4, "loss": 1.0, "step_losses": [1.5, 1.0]},
+          {"iter": 5, "loss": 0.5}]
+    assert launch.step_losses(es) == {1: 3.0, 2: 2.0, 3: 1.5, 4: 1.0, 5: 0.5}
+
+
+def test_torchtitan_step_lines_become_run_log_entries():
+    es = launch.parse_peer(PEER_022)
+    assert [e["iter"] for e in es] == [1, 20, 25, 30]  # the validation line is not a training step
+    assert es[0] == {"iter": 1, "loss": 10.87312, "grad_norm": 11.2345, "memory_reserved_peak_gb": 22.10,
+                     "tokens_per_sec_per_gpu": 1203.0, "tflops": 8.01, "mfu": 0.81}
+    f = launch.figures(es, 15)
+    assert f["tps_gpu"] == pytest.approx((53_311 + 53_509 + 53_407) / 3) and f["reserved"] == 28.80
+    assert f["mem"] is None  # torchtitan reports reserved memory only
+    assert launch.parse_peer(PEER_030_NA)[0]["mfu"] is None
+
+
+@pytest.mark.parametrize("text,rc,why", [
+    (PEER_030_FAILED, 1, "exit 1: TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'"),
+    ("loading\nerror: unknown config key 'training.nope'\n", 2, "exit 2: error: unknown config key 'training.nope'"),
+    ("Killed\n", 137, "exit 137: Killed"),
+    ("anything", None, "timeout after 30s"),
+    ("Traceback\nValueError: bad\n", 0, None),
+])
+def test_error_line_names_the_cause(text, rc, why):
+    assert launch.error_line(text, rc, 30) == why
+
+
+def test_peer_run_reports_why_it_failed_though_run_sh_exits_0(tmp_path, monkeypatch):
+    script = tmp_path / launch.PEERS["0.3.0"]
+    script.parent.mkdir(parents=True)
+    script.write_text("")
+    monkeypatch.setattr(launch, "ROOT", tmp_path)
+    outputs = iter([(0, PEER_030_FAILED, 5.0), (0, PEER_022, 60.0), (0, "wheel install ok\n", 1.0)])
+    monkeypatch.setattr(launch, "execute", lambda *a, **k: next(outputs))
+    failed = launch.peer("0.3.0", work=tmp_path)
+    assert failed.error == "TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'"
+    ok = launch.peer("0.3.0", work=tmp_path)
+    assert ok.error is None and len(ok.entries) == 4
+    assert launch.peer("0.3.0", work=tmp_path).error == "no step lines in torchtitan's output"
+    assert "carry .bench" in launch.peer("0.2.2", work=tmp_path).error  # its run.sh is not there
+
+
+def test_bench_env_turns_multicast_off_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    env = launch.bench_env()
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["PYTORCH_ALLOC_CONF"] == "backend:native"
+    assert launch.command(1, ["-m", "x"])[1:] == ["-m", "x"]
+    assert "--nproc-per-node=4" in launch.command(4, ["-m", "x"])
+
+
+def test_timeout_ends_the_run_and_everything_it_started(tmp_path):
+    rc, text, wall = launch.execute("sleeper", ["bash", "-c", "sleep 60 & echo $!; sleep 60 & echo $!; wait"], 2,
+                                    work=tmp_path)
+    assert rc is None and wall < 30
+    for pid in map(int, text.split()):
+        state = Path(f"/proc/{pid}/stat")
+        assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_launch_runs_titanlite_reads_its_log_and_names_a_bad_option(tmp_path):
+    base = ["--model.name", "llama", "--model.flavor", "debug", "--training.dataset", "synthetic",
+            "--training.local_batch_size", "2", "--training.seq_len", "32", "--validation.enable=false",
+            "--metrics.progress_bar=false", "--data.num_workers", "0"]
+    r = launch.titanlite("tiny", [], 1, 4, 2, 300, work=tmp_path, base=base)
+    assert r.error is None and r.rc == 0 and [e["iter"] for e in r.entries] == [1, 2, 4]
+    log = json.loads(next((tmp_path / "tiny").glob("run_*.json")).read_text())
+    assert r.figures(2)["tps_gpu"] == log["training_iterations"][-1]["tokens_per_sec_per_gpu"]
+    assert sorted(launch.step_losses(r.entries)) == [1, 2, 3, 4]
+    bad = launch.titanlite("bad", ["--training.nope", "1"], 1, 4, 2, 300, work=tmp_path, base=base)
+    assert bad.error.startswith("exit 2: error: unknown config key 'training.nope'") and not bad.entries
+
+
+# ---------------------------------------------------------------------------------- compare_peer.py
+def test_configurations_keep_only_and_add_each_extra_variant():
+    rows = compare_peer.configurations(["single"], {"compile"}, ["--model.attention_backend flash_attn_4", "--a.b"])
+    assert [n for n, _ in rows] == ["compile", "compile +model.attention_backend flash_attn_4", "compile +a.b"]
+    assert rows[1][1] == ["--compile.enable", "--model.attention_backend", "flash_attn_4"]
+    assert compare_peer.dp_mode(compare_peer.SUITES["knobs"]["ddp bf16_params"]) == "ddp"
+    assert compare_peer.dp_mode(compare_peer.SUITES["single"]["compile"]) == "fsdp"
+
+
+def test_peer_flag_runs_every_torchtitan_version_and_bad_input_is_one_line(capsys):
+    assert compare_peer.parse_args(["--peer"]).versions == list(launch.PEERS) == ["0.2.2", "0.3.0"]
+    assert compare_peer.parse_args(["--peers", "0.3.0", "--only", "compile"]).versions == ["0.3.0"]
+    for bad in (["--peers", "0.4.0"], ["--suite", "best"], ["--only", "nope"], ["--ngpus", "x"]):
+        with pytest.raises(SystemExit) as e:
+            compare_peer.parse_args(bad)
+        assert e.value.code == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def result(name, es, error=None, ngpus=1, backend=None):
+    r = launch.Result(name, ngpus, [], 0, 1.0, error, es)
+    if backend:
+        r.startup = {"config": {"attention_backend": backend}}
+    return r
+
+
+def test_table_gives_each_titanlite_row_its_ratio_to_each_version():
+    tt2 = result("tt2", entries(20, 30, tps=1000.0))
+    tt3 = result("tt3", [], error="TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'")
+    ours = result("ours", entries(20, 30, tps=1100.0), backend="sdpa_cudnn")
+    rows = [("torchtitan 0.2.2", tt2, {}), ("torchtitan 0.3.0", tt3, {}),
+            ("compile", ours, {"0.2.2": tt2, "0.3.0": tt3})]
+    text = compare_peer.table(rows, ["0.2.2", "0.3.0"], 15)
+    assert "max reserved" in text and "| vs 0.2.2 | vs 0.3.0 |" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| compile |"))
+    assert "| 1.100 | - | sdpa_cudnn |" in line
+    assert "dp_mesh_dims" in next(ln for ln in text.splitlines() if ln.startswith("| torchtitan 0.3.0 |"))
+
+
+# ---------------------------------------------------------------------------------- attention.py
+def test_attention_shapes_come_from_the_models_and_flops_count_the_causal_half():
+    assert bench_attention.shape("llama 1.36B b8") == (8, 18, 18, 2048, 128)
+    assert bench_attention.shape("qwen3 1.8B b4") == (4, 16, 8, 2048, 128)
+    b, h, s, d = 4, 18, 2048, 128
+    forward = 2 * (2 * b * h * s * s * d) / 2  # QK^T and PV, 2 FLOPs per multiply-add, half the square
+    assert bench_attention.causal_flops(b, h, s, d) == pytest.approx(forward * 3.5)
+
+
+def test_attention_table_relative_to_cudnn_and_failed_rows():
+    dims = (4, 18, 18, 2048, 128)
+    rows = [{"shape": "llama 1.36B b4", "dims": dims, "backend": "sdpa_cudnn", "ms": 10.0, "tflops": 300.0, "first_s": 1.0},
+            {"shape": "llama 1.36B b4", "dims": dims, "backend": "flash_attn_4", "ms": 9.0, "tflops": 330.0,
+             "first_s": 20.0},
+            {"shape": "llama 1.36B b4", "dims": dims, "backend": "sdpa_flash", "error": "RuntimeError: no kernel"}]
+    text = bench_attention.table(rows, auto="sdpa_cudnn")
+    assert "| sdpa_cudnn (auto) | 10.00 | 300 | 1.000 |" in text
+    assert "| flash_attn_4 | 9.00 | 330 | 1.100 | 20.0 |" in text
+    assert "RuntimeError: no kernel" in text
+
+
+# ---------------------------------------------------------------------------------- loss_parity.py
+@pytest.fixture
+def peer_assets(tmp_path):
+    """A tokenizer folder like torchtitan's test asset (BOS/EOS named in tokenizer_config.json but not in
+    tokenizer.json's vocabulary) and a c4_test-style data.json."""
+    from titanlite.data.tokenizer import train_bpe
+
+    docs = ["The quick brown fox jumps over the lazy dog.", "Lorem ipsum dolor sit amet, <unk> consectetur.",
+            "A third document, with numbers 12345 and  spaces."]
+    assets = tmp_path / "assets"
+    (assets / "tokenizer").mkdir(parents=True)
+    (assets / "c4_test").mkdir()
+    train_bpe(docs * 20, 300, assets / "tokenizer" / "tokenizer.json")
+    tok = json.loads((assets / "tokenizer" / "tokenizer.json").read_text())
+    tok["added_tokens"] = []  # as in torchtitan's asset: the specials live only in tokenizer_config.json
+    (assets / "tokenizer" / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>",
+           "added_tokens_decoder": {"128000": {"content": "<|begin_of_text|>", "special": True},
+                                    "128001": {"content": "<|end_of_text|>", "special": True},
+                                    "2001": {"content": "<|pad|>", "special": True}}}
+    (assets / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (assets / "c4_test" / "data.json").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return assets, docs
+
+
+def test_prepared_text_is_torchtitans_token_stream(tmp_path, peer_assets):
+    """prepare's shards hold, per document in file order, BOS + the plain tokenizer's ids + EOS, with
+    BOS and EOS at the next free ids, as torchtitan's loader builds its stream."""
+    from tokenizers import Tokenizer
+
+    assets, docs = peer_assets
+    folder, meta = loss_parity.prepare(tmp_path / "work", assets)
+    plain = Tokenizer.from_file(str(assets / "tokenizer" / "tokenizer.json"))
+    v = plain.get_vocab_size()
+    bos, eos = v, v + 1  # new special tokens take the next free ids, in torchtitan's order: BOS, EOS, PAD
+    expected = [t for d in docs for t in [bos, *plain.encode(d).ids, eos]]
+    got = np.fromfile(folder / meta["splits"]["train"]["shards"][0]["file"], dtype=meta["dtype"]).tolist()
+    assert got == expected
+    assert meta["eos_id"] == eos and meta["splits"]["val"]["tokens"] == 0
+
+
+def test_both_sides_get_the_same_optimizer_and_schedule_settings(tmp_path):
+    from titanlite.config import load_config
+
+    cfg = load_config(loss_parity.titanlite_options(tmp_path, 300, 10, 3e-4) + ["--training.steps", "300"])
+    peer = loss_parity.peer_options(300, 10, 3e-4, tmp_path)
+    assert cfg.optimizer.lr == float(peer[peer.index("--optimizer.lr") + 1]) == 3e-4
+    assert cfg.lr_scheduler.warmup_steps == int(peer[peer.index("--lr_scheduler.warmup_steps") + 1]) == 10
+    assert (cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor) == ("linear", 0.0)  # torchtitan's default
+    assert (cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps, cfg.optimizer.weight_decay) == (0.9, 0.95, 1e-8, 0.1)
+    assert cfg.model.vocab_size == 32000 and cfg.data.shuffle is False and cfg.training.local_batch_size == 4
+
+
+def test_tensorboard_losses_read_torchtitans_tag(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(tmp_path / "tb" / "20261123-1200"))
+    for step in range(1, 6):
+        w.add_scalar("loss_metrics/global_avg_loss", 10.0 / step, step)
+        w.add_scalar("grad_norm", 1.0, step)
+    w.close()
+    got = loss_parity.tensorboard_losses(tmp_path)
+    assert list(got) == [1, 2, 3, 4, 5]
+    assert got[4] == pytest.approx(2.5)
+
+
+def test_report_and_plot_with_made_up_curves(tmp_path):
+    tt = {s: 3.0 + 7.0 / s for s in range(1, 301)}
+    ours = {s: 1.01 * v for s, v in tt.items()}
+    text = loss_parity.report({"torchtitan 0.2.2": tt, "titanlite": ours}, {}, 300, {"titanlite": 232})
+    mean_tt = sum(tt[s] for s in range(251, 301)) / 50
+    assert f"| torchtitan 0.2.2 | 300 | {mean_tt:.4f} |" in text
+    assert "| titanlite / torchtitan | | 1.0100 (+1.00%) |" in text
+    assert "| 251-300 |" in text and "What differs" in text
+    failed = loss_parity.report({"torchtitan 0.2.2": {}, "titanlite": ours}, {"torchtitan 0.2.2": "exit 1: OOM"},
+                                300, {})
+    assert "| torchtitan 0.2.2 | 0 | - | - | - | exit 1: OOM |" in failed and "titanlite / torchtitan" not in failed
+    loss_parity.plot({"torchtitan 0.2.2": tt, "titanlite": ours}, tmp_path / "curves.png", {"titanlite": 232})
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------- other scripts
+def test_stream_profile_bad_gpu_count_is_one_line():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), "--ngpus", "x"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "stream_profile: --ngpus takes a positive integer"

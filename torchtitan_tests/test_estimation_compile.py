@@ -1,0 +1,199 @@
+"""estimation/ for compiled runs, the fake run's use of TrainStep, the bounded search and --estimate.recommend."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+from titanlite.config import load_config
+
+# debug shapes, seq 64: every graph compiles in seconds on a CPU
+DEBUG = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "4"]
+
+
+def _run(cfg, world=1, batch=4, micro_steps=1):
+    from estimation.fake_run import FakeRun
+
+    run = FakeRun(cfg, world)
+    try:
+        return run, run.step(batch, micro_steps)
+    finally:
+        run.close()
+
+
+def test_compiled_activations_below_eager():
+    """torch.compile's partitioner keeps fewer activations than eager autograd (fused norms, SwiGLU,
+    RoPE are recomputed in backward); the rest of the model state is the same."""
+    # seq 256 and a small vocabulary: the blocks' activations, not the loss's chunk buffers, dominate
+    shapes = DEBUG + ["--training.seq_len", "256", "--model.vocab_size", "256"]
+    eager = _run(load_config(shapes))[1]
+    compiled = _run(load_config(shapes + ["--compile.enable"]))[1]
+    assert compiled.breakdown["activations"] < 0.85 * eager.breakdown["activations"]
+    for k in ("params", "optimizer"):
+        assert compiled.model_state[k] == eager.model_state[k]
+
+
+def _partition_saved_bytes(block, x, rope):
+    """A direct count: compile the block through Inductor's entry point with an inner compile that
+    only records the forward graph, and add up the new storages that graph returns (the block's
+    output and the tensors the partitioner saves for backward), rounded as the tracker rounds them."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+
+    from estimation.tracker import _aligned
+
+    graphs = []
+
+    def inner(gm, example_inputs, **kw):
+        graphs.append(gm)
+        run = lambda args: torch.fx.Interpreter(gm).boxed_run(args)  # noqa: E731
+        run._boxed_call = True
+        return run
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend=lambda gm, ins: cfx.compile_fx(gm, ins, inner_compile=inner))
+    compiled(x, rope)
+    torch._dynamo.reset()
+    fw = graphs[0]
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    seen, total = set(), 0
+    for node in out.all_input_nodes:
+        t = node.meta["val"]
+        st = t.untyped_storage()._cdata if not isinstance(t, torch._subclasses.FakeTensor) else id(t)
+        if node.op == "placeholder":
+            continue  # an input kept for backward (the block's input, a weight) exists already
+        if st in seen:
+            continue
+        seen.add(st)
+        total += _aligned(t.numel() * t.element_size())
+    return total
+
+
+def test_compiled_block_keeps_exactly_the_partitioners_saved_tensors():
+    """What a compiled block adds to memory across its forward (its output plus what it saves for
+    backward) is what Inductor's partitioner returns from the forward graph, byte for byte."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from estimation.compiled import capture_compile
+    from estimation.tracker import StepTracker
+    from titanlite.models import build_model, get_model_args
+
+    args = get_model_args("llama", "debug")
+    with torch.device("meta"):
+        model = build_model(args, "sdpa", 64)
+    block = model.layers["0"].to_empty(device="cpu")
+    x = torch.randn(4, 64, args.dim, requires_grad=True)
+    rope = torch.randn(2, 64, args.hdim)
+    expected = _partition_saved_bytes(block, x.detach().requires_grad_(), rope)
+
+    fake, tracker = FakeTensorMode(allow_non_fake_inputs=True), StepTracker()
+    with capture_compile(), fake, tracker:
+        fx_, frope = torch.randn(4, 64, args.dim, requires_grad=True), torch.randn(2, 64, args.hdim)
+        block_c = torch.compile(block, fullgraph=True)
+        with torch.autocast("cpu", enabled=False):
+            before = tracker.live
+            out = block_c(fx_, frope)
+            grown = tracker.live - before
+        del out
+    assert expected > 0 and grown == expected
+
+
+def test_fake_run_steps_through_trainstep(monkeypatch):
+    """The fake run's step is titanlite.step.TrainStep: its micro-batches, its one clip and one update."""
+    import titanlite.step as step
+
+    clips = []
+    orig = step.clip_grad_norm
+    monkeypatch.setattr(step, "clip_grad_norm", lambda *a, **k: clips.append(1) or orig(*a, **k))
+    run, r = _run(load_config(DEBUG + ["--parallelism.data_parallel", "ddp"]), world=2, micro_steps=3)
+    assert run.hooks.micro_steps == 1 + 3  # the warm-up step, then three micro-batches
+    assert run.hooks.updates == 2 and len(clips) == 2
+    assert {"fwd_accum", "bwd_accum", "fwd_last", "bwd_last", "opt"} <= set(r.work)
+
+
+def _cli(*args, tmp):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "estimation", *args], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_search_is_bounded_and_says_does_not_fit_first(tmp_path):
+    """A local batch far beyond the GPU is never run: the answer comes at once, says so before anything
+    else, has no throughput, and exits 1 (search on or off)."""
+    for search in ("true", "false"):
+        p = _cli(*DEBUG, "--training.local_batch_size", "100000000", "--estimate.hardware", "l4",
+                 f"--estimate.search={search}", "--estimate.output", str(tmp_path / "e.json"), tmp=tmp_path)
+        assert p.returncode == 1, p.stderr
+        assert "local batch 100000000:" not in p.stderr  # never probed
+        assert "does not fit" in p.stderr.splitlines()[0]
+        lines = p.stdout.splitlines()
+        assert lines[1].startswith("DOES NOT FIT: local batch 100000000")
+        assert "throughput:" not in p.stdout and "tokens/s" not in p.stdout and "MFU" not in p.stdout
+        if search == "true":
+            assert any(line.startswith("largest local batch that fits:") for line in lines)
+
+
+def test_recommend_writes_a_toml_that_loads(tmp_path):
+    out = tmp_path / "best.toml"
+    p = _cli(*DEBUG, "--training.global_batch_size", "8", "--estimate.recommend", "--estimate.recommend_top", "2",
+             "--estimate.recommend_output", str(out), tmp=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "[recommend]" in p.stderr and f"best: {out}" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if line.lstrip()[:2] in ("1 ", "2 ")]
+    assert len(rows) == 2
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    check = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--job.config_file", str(out)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    cfg = load_config(["--job.config_file", str(out)])
+    t = cfg.training
+    assert t.global_batch_size == 8 and 8 % t.local_batch_size == 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--estimate.hardware", "h1000"], "error: estimate.hardware 'h1000' is unknown"),
+    (["--estimate.target_tokens", "100"], "error: estimate.target_tokens (100) is not a whole number of sequences"),
+    (["--estimate.ngpu", "3", "--parallelism.data_parallel", "ddp"], "error: a global batch of 8 sequences cannot be "
+                                                                     "split evenly over 3 GPUs"),
+    (["--estimate.hardware", "l4", "--estimate.reserved_gib", "22.04"], "error: llama/debug fits no configuration"),
+])
+def test_recommend_bad_input_is_one_line(tmp_path, extra, message):
+    p = _cli(*DEBUG, "--training.global_batch_size", "8", "--estimate.recommend", *extra, tmp=tmp_path)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith(message) and not any("Traceback" in line for line in lines)
+    assert not [line for line in lines if not line.startswith(("[recommend]", "error:"))]
+
+
+def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):
+    """estimation.calibrate: rate = predicted work / (profiled kernel time x the GPU's peak)."""
+    import json
+
+    from estimation.calibrate import calibrate
+
+    work = {"gemm_flops": 400e12, "float8_flops": 0.0, "attention_flops": 30e12, "elementwise_bytes": 2e9,
+            "fused_bytes": 120e9, "optimizer_bytes": 40e9, "kernels": 1000, "comm_bytes": 0.0}
+    a = {"attention_backend": "sdpa_cudnn", "link_gbps": 450.0}
+    ms = {"gemm": 500.0, "attention": 100.0, "fused": 60.0, "elementwise": 2.0, "optimizer": 20.0}
+    results = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "date": "2026-11-24", "cases": {
+        "b8": {"ranks": 1, "predicted": {"work": work, "assumptions": a},
+               "measured": {"profile_ms_per_step": {"steps": 2, "terms": ms}}}}}
+    r = calibrate(results)
+    assert r["gemm_efficiency"][0] == pytest.approx(400e12 / (0.5 * 989e12))
+    assert r["attention:sdpa_cudnn"][0] == pytest.approx(30e12 / (0.1 * 989e12))
+    assert r["fused_efficiency"][0] == pytest.approx(120e9 / (0.06 * 3.35e12))
+    assert r["optimizer_efficiency"][0] == pytest.approx(40e9 / (0.02 * 3.35e12))
+    assert "link_efficiency" not in r and "float8_efficiency" not in r  # no link, no float8 GEMMs here
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(path)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "gemm_efficiency" in p.stdout and "(b8)" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(tmp_path / "missing.json")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: cannot read")
