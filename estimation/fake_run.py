@@ -74,14 +74,15 @@ def cuda_like_kernels():
 
     import titanlite.ops.loss as loss
 
-    def accumulate_mm(acc, a, b):  # CUDA's path: one GEMM adding into the fp32 accumulator
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    def fp32_mm(a, b, acc=None):  # CUDA's path (titanlite.ops.master_linear.fp32_mm): one fp32-output GEMM
+        return torch.mm(a, b, out_dtype=torch.float32) if acc is None else torch.addmm(
+            acc, a, b, out_dtype=acc.dtype, out=acc)
 
-    F.rms_norm, orig_acc, loss._accumulate_mm = rms_norm, loss._accumulate_mm, accumulate_mm
+    F.rms_norm, orig_mm, loss.fp32_mm = rms_norm, loss.fp32_mm, fp32_mm
     try:
         yield
     finally:
-        F.rms_norm, loss._accumulate_mm = orig, orig_acc
+        F.rms_norm, loss.fp32_mm = orig, orig_mm
 
 
 @contextlib.contextmanager

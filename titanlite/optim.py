@@ -168,16 +168,19 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = own[p]
 
     def _kind(self, p: torch.Tensor) -> str:
-        """"lo": a bf16 parameter with its master's low bits; "copy": fp32 with a bf16 copy; "own": fp32."""
+        """"own": fp32, its own master; "copy": fp32 with a bf16 copy; "lo": bf16 with its master's low bits."""
         return "lo" if "master_lo" in self.state[p] else "copy" if hasattr(p, "bf16_copy") else "own"
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
-        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        work = [(i, p) for i, group in enumerate(self.param_groups) for p in group["params"] if p.grad is not None]
         if not work:
             return None
+        launches: dict[tuple[int, str], list] = {}  # (group, kind) -> its parameters: one launch each
+        for i, p in work:
+            launches.setdefault((i, self._kind(p)), []).append(p)
         device = work[0][1].device
         scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
         keep = (self.found_inf > 0) if self.found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
@@ -193,28 +196,25 @@ class MasterAdamW(torch.optim.Optimizer):
         # The kernel reads the lr from the device: a tensor already under CUDA graphs (the scheduler
         # writes it in place), else one 0-d copy per distinct value
         lr_on_device = {}
-        for i, group in enumerate(self.param_groups):
+        for (i, kind), ps in launches.items():
+            group = self.param_groups[i]
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 lr_on_device[lr] = lr
             elif lr not in lr_on_device:
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             args = (lr_on_device[lr], group["weight_decay"], beta1, beta2, eps, bias1, bias2_sqrt, scale, keep)
-            for kind in ("own", "copy", "lo"):
-                ps = [p for g, p in work if g is group and self._kind(p) == kind]
-                if not ps:
-                    continue
-                st = [self.state[p] for p in ps]
-                los = [s["master_lo"] for s in st] if kind == "lo" else None
-                copies = [p.bf16_copy for p in ps] if kind == "copy" else None
-                if many is not None and many(ps, [p.grad for p in ps], los, [s["exp_avg"] for s in st],
-                                             [s["exp_avg_sq"] for s in st], *args, copies=copies,
-                                             cache=self._launch_cache.setdefault((i, kind), {})):
-                    continue
-                for j, (p, s) in enumerate(zip(ps, st)):
-                    update(p.view(-1), p.grad.view(-1), None if los is None else los[j].view(-1),
-                           s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1), *args,
-                           None if copies is None else copies[j].view(-1))
+            st = [self.state[p] for p in ps]
+            los = [s["master_lo"] for s in st] if kind == "lo" else None
+            copies = [p.bf16_copy for p in ps] if kind == "copy" else None
+            if many is not None and many(ps, [p.grad for p in ps], los, [s["exp_avg"] for s in st],
+                                         [s["exp_avg_sq"] for s in st], *args, copies=copies,
+                                         cache=self._launch_cache.setdefault((i, kind), {})):
+                continue
+            for j, (p, s) in enumerate(zip(ps, st)):
+                update(p.view(-1), p.grad.view(-1), None if los is None else los[j].view(-1),
+                       s["exp_avg"].view(-1), s["exp_avg_sq"].view(-1), *args,
+                       None if copies is None else copies[j].view(-1))
         torch._foreach_copy_(steps, [step] * len(steps))
         self.grad_scale = self.found_inf = None
         return None
