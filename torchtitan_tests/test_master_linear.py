@@ -352,3 +352,33 @@ def test_hf_export_and_initial_load_carry_the_masters(tmp_path):
         if hasattr(p, "bf16_copy"):
             assert torch.equal(p.bf16_copy, q.detach().bfloat16())
     loaded.close()
+
+
+@pytest.mark.parametrize("mode", ["none", "zero1"])
+def test_float8_matrices_keep_their_own_form(mode):
+    """float8 (emulated here): torchao's Float8Linear keeps a bf16 weight whose fp32 master (the fp32
+    initialisation) MasterAdamW holds as low bits; no bf16 copy is made for it. Under zero1, whose
+    ZeroRedundancyOptimizer takes one dtype, the weights stay fp32 and torchao casts them itself."""
+    from types import SimpleNamespace
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.optim import build_optimizer
+    from titanlite.parallel.apply import apply_bf16_params, apply_float8, materialize
+
+    cfg = load_config([*BF16, "--float8.enable", "--float8.emulate"])
+    with torch.device("meta"):
+        model = build_model(get_model_args("llama", "debug"), "sdpa", 32)
+    apply_float8(model, cfg, SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu")))
+    materialize(model, torch.device("cpu"), 0)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_bf16_params(model, mode)
+    f8 = {n: p for n, p in model.named_parameters() if type(model.get_submodule(n.rsplit(".", 1)[0])).__name__
+          == "Float8Linear"}
+    assert len(f8) == 4 * 7 and not any(isinstance(m, MasterLinear) for m in model.modules())
+    assert all(p.dtype == (torch.float32 if mode == "zero1" else torch.bfloat16) for p in f8.values())
+    if mode == "none":
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        assert type(opt) is MasterAdamW
+        for n, p in f8.items():
+            assert torch.equal(opt.master(p).bfloat16(), p.detach())
+            assert (opt.master(p).view(torch.int32) - init[n].view(torch.int32)).abs().max() <= 1  # see master_low_bits
