@@ -29,10 +29,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from titanlite.config.manager import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.models import build_model, get_model_args
 from titanlite.optim import build_optimizer
-from titanlite.parallel import ParallelDims, float8_post_step, parallelize
-from titanlite.parallel.data_parallel import _fsdp, apply_ddp, fused_clip_supported
+from titanlite.parallel import ParallelDims, parallelize
+from titanlite.parallel.data_parallel import _fsdp, apply_ddp
 from titanlite.parallel.modes import MODES
-from titanlite.step import StepHooks, TrainStep, make_forward_loss
+from titanlite.step import StepHooks, build_train_step
 
 from estimation.tracker import StepTracker, nbytes
 
@@ -284,12 +284,7 @@ class FakeRun:
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
             # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU)
             autocast = "cpu" if autocasts(run_cfg, world) else None
-            fuse = run_cfg.optimizer.fuse_clip and fused_clip_supported(self.optimizer)
-            self.train_step = TrainStep(
-                model, self.optimizer,
-                make_forward_loss(model, run_cfg.training.loss, autocast, compile_loss=self.compiled),
-                1, run_cfg.training.max_norm, clip_into=self.optimizer if fuse else None,
-                on_nan=run_cfg.training.on_nan, post_update=lambda: float8_post_step(model, run_cfg))
+            self.train_step = build_train_step(model, self.optimizer, run_cfg, 1, autocast, compile_loss=self.compiled)
             # optimizer state and DDP buckets exist from here on (compiled code runs as eager: no compile
             # for a shape that is never measured)
             with torch.compiler.set_stance("force_eager"):

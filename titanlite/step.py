@@ -126,6 +126,24 @@ class TrainStep:
         return StepOut(total, grad_norm, skipped)
 
 
+def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, grad_accum: int,
+                     autocast_device: str | None, compile_loss: bool | None = None) -> TrainStep:
+    """The step a run of `cfg` takes: its loss, the clip fused into the optimizer where the optimizer
+    can take it (optimizer.fuse_clip), the NaN policy and float8's post-update hook. `autocast_device`
+    is the device type to autocast on (config.manager.autocasts), or None."""
+    from titanlite.parallel.apply import float8_post_step
+    from titanlite.parallel.data_parallel import fused_clip_supported
+
+    fuse = cfg.optimizer.fuse_clip and fused_clip_supported(optimizer)
+    return TrainStep(
+        model, optimizer,
+        make_forward_loss(model, cfg.training.loss, autocast_device,
+                          compile_loss=cfg.compile.enable if compile_loss is None else compile_loss),
+        grad_accum, cfg.training.max_norm,
+        clip_into=optimizer if fuse else None,  # the clip scale goes into the AdamW kernel
+        on_nan=cfg.training.on_nan, post_update=lambda: float8_post_step(model, cfg))
+
+
 class NonFiniteLossError(RuntimeError):
     """training.on_nan=stop: the loss of a step was NaN or infinite."""
 

@@ -34,12 +34,11 @@ from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import float8_post_step, init_distributed, parallelize
+from titanlite.parallel import init_distributed, parallelize
 from titanlite.parallel.cuda_graphs import CudaGraphStep
-from titanlite.parallel.data_parallel import fused_clip_supported
 from titanlite.parallel.launcher_watch import watch_launcher
-from titanlite.step import (NonFiniteLossError, StepHooks, TrainStep, check_finite, global_step_losses,
-                            make_forward_loss, validation_loss)
+from titanlite.step import (NonFiniteLossError, StepHooks, build_train_step, check_finite, global_step_losses,
+                            validation_loss)
 
 logger = logging.getLogger("titanlite")
 
@@ -147,13 +146,7 @@ class Trainer:
 
         # The step: forward/backward over the micro-batches, clip, update (titanlite.step)
         autocast = self.device.type if autocasts(cfg, self.dims.world_size, self.device.type) else None
-        fuse = cfg.optimizer.fuse_clip and fused_clip_supported(self.optimizer)
-        self.step = TrainStep(
-            model, self.optimizer,
-            make_forward_loss(model, cfg.training.loss, autocast, compile_loss=cfg.compile.enable),
-            self.grad_accum, cfg.training.max_norm,
-            clip_into=self.optimizer if fuse else None,  # the clip scale goes into the AdamW kernel
-            on_nan=cfg.training.on_nan, post_update=lambda: float8_post_step(model, cfg))
+        self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, autocast)
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
         self.hooks = TimedHooks(self.timer, self.faults)

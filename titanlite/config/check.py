@@ -6,7 +6,7 @@ and every error is one line with exit code 2.
 
 import sys
 
-from titanlite.config.manager import ConfigError, check_combination, load_config, resolve_batch, run_cli
+from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
 
 
 def main(argv: list[str]) -> None:
@@ -15,9 +15,8 @@ def main(argv: list[str]) -> None:
         if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
             raise ConfigError("--world-size expects a positive integer")
         world, argv = int(argv[1]), argv[2:]
-    cfg = load_config(argv)
+    cfg = load_config(argv, world)
     resolve_batch(cfg, world)
-    check_combination(cfg, world)
 
 
 if __name__ == "__main__":

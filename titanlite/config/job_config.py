@@ -159,7 +159,7 @@ class Compile:
     mode: str = doc("default", "torch.compile mode (default, reduce-overhead, max-autotune, ...)")
     coordinate_descent_tuning: bool = doc(
         False, "Inductor tunes each generated Triton kernel's block sizes and warps by benchmarking them "
-               "(float8's cast kernels gain most; about 90 s more compile on the first run, cached after)")
+               "(float8's cast kernels gain most; a longer first compile, cached after)")
 
 
 @dataclass

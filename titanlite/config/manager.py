@@ -192,8 +192,10 @@ def find_config_file(name: str) -> str:
     raise ConfigError(f"config file not found: {name}{where} (--job.config_file)")
 
 
-def load_config(argv: list[str] | None = None) -> JobConfig:
-    """Build a JobConfig from defaults, the TOML named by --job.config_file, then the CLI."""
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """Build a JobConfig from defaults, the TOML named by --job.config_file, then the CLI, and
+    validate it for `world_size` ranks (default: torchrun's WORLD_SIZE, else 1). Every check of a
+    configuration happens here, so a config that loads can run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = _split_cli(argv)
     cfg = JobConfig()
@@ -220,6 +222,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         _set(cfg, k, v)
     cfg.job.config_file = config_file
     validate(cfg)
+    check_combination(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from titanlite.data.prepare import Skips, prepare_dataset, read_txt
 from titanlite.data.shards import VERSION, cache_root
 
-MAX_BYTES = 8 * 1024 * 1024  # enough text for the debug model; keeps first use under ~20 s on 2 cores
+MAX_BYTES = 8 * 1024 * 1024  # enough text for the debug model, and a short first use on a small CPU
 VAL_EVERY = 20  # every 20th file (sorted order) is validation
 
 logger = logging.getLogger("titanlite")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.config.manager import check_combination, data_parallel_mode
+from titanlite.config.manager import data_parallel_mode
 
 
 @dataclass
@@ -34,10 +34,9 @@ class ParallelDims:
 
 
 def init_distributed(cfg) -> ParallelDims:
-    """Refuse combinations that cannot work (before anything is set up), then join the process group
-    torchrun set up (if any) and pick this rank's device."""
+    """Join the process group torchrun set up (if any) and pick this rank's device. The configuration
+    was checked for this world size when it was loaded (config.manager.load_config)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_combination(cfg, world)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     shared = cfg.debug.inject_shared_device  # a fault on purpose (titanlite.debug): every rank on one device
