@@ -183,8 +183,8 @@ def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
     if counting:
         work = tracker.work[tracker.phase]
         copy = args[-1]
-        work.memory_bytes += (nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v)) + (0 if lo is None else 2 * nbytes(lo))
-                              + (0 if copy is None else nbytes(copy)))
+        work.memory_bytes += (nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v))
+                              + (0 if lo is None else 2 * nbytes(lo)) + (0 if copy is None else nbytes(copy)))
         work.ops += 1
 
 

@@ -30,8 +30,9 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     graphs = cfg.training.cuda_graphs and device.type == "cuda"
     lr = torch.tensor(o.lr, device=device) if graphs else o.lr
     zero = MODES[dp_mode].optimizer == "zero"
-    if o.moments_dtype == "bfloat16" or any(has_master(p) for p in params):  # capturable as it is, given the lr on device
-        kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, moments_dtype=getattr(torch, o.moments_dtype))
+    if o.moments_dtype == "bfloat16" or any(has_master(p) for p in params):  # capturable, given the lr on device
+        kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
+                  moments_dtype=getattr(torch, o.moments_dtype))
         return zero_master_adamw(groups, **kw) if zero else MasterAdamW(groups, **kw)
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
@@ -225,8 +226,8 @@ def zero_master_adamw(groups, moments_dtype: torch.dtype, **kw) -> torch.optim.O
     the parameters) is MasterAdamW; `kw` are MasterAdamW's hyperparameters. (The moments' dtype is
     bound to the class, not passed through ZeroRedundancyOptimizer, which would copy it into every
     parameter group and so into checkpoints, where a ddp run's would lack it.)"""
-    return _zero_master_adamw_class()(groups, optimizer_class=functools.partial(MasterAdamW, moments_dtype=moments_dtype),
-                                      **kw)
+    local = functools.partial(MasterAdamW, moments_dtype=moments_dtype)
+    return _zero_master_adamw_class()(groups, optimizer_class=local, **kw)
 
 
 @functools.cache

@@ -292,7 +292,8 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
     from titanlite.parallel.cuda_graphs import CudaGraphStep
     from titanlite.train import Trainer
 
-    argv = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic", "--training.seq_len", "32",
+    argv = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic",
+            "--training.seq_len", "32",
             "--training.local_batch_size", "2", "--metrics.progress_bar=false", "--data.num_workers", "0",
             "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0.1"]
     eager, captured = (Trainer(load_config(argv + ["--job.dump_folder", str(tmp_path / n)])) for n in "ab")

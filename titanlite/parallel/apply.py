@@ -147,9 +147,9 @@ def apply_bf16_params(model: nn.Module, dp_mode: str) -> None:
       gradient, which torchao's float8 GEMM gives in bf16, stays bf16; the fp32 master lives in
       MasterAdamW as 16 low bits (titanlite.optim.master_low_bits), started from the fp32
       initialisation kept here as `fp32_master`. A master on the bf16 grid instead would ignore
-      updates smaller than half a bf16 step (it cost 0.12-0.15 in validation loss at step 100 of a
-      1.36B run, docs/performance.md). Under zero1 float8's weights stay fp32 (ZeroRedundancyOptimizer
-      takes parameters of one dtype) and torchao casts them from fp32, as with autocast.
+      updates smaller than half a bf16 step, and trained worse. Under zero1 float8's weights stay
+      fp32 (ZeroRedundancyOptimizer takes parameters of one dtype) and torchao casts them from fp32,
+      as with autocast.
     """
     from titanlite.ops.master_linear import use_bf16_copy
 
