@@ -143,7 +143,7 @@ def test_configurations_keep_only_and_add_each_extra_variant():
     rows = compare_peer.configurations(["single"], {"compile"}, ["--model.attention_backend flash_attn_4", "--a.b"])
     assert [n for n, _ in rows] == ["compile", "compile +model.attention_backend flash_attn_4", "compile +a.b"]
     assert rows[1][1] == ["--compile.enable", "--model.attention_backend", "flash_attn_4"]
-    assert compare_peer.dp_mode(compare_peer.SUITES["knobs"]["ddp bf16_params"]) == "ddp"
+    assert compare_peer.dp_mode(compare_peer.SUITES["knobs"]["ddp autocast"]) == "ddp"
     assert compare_peer.dp_mode(compare_peer.SUITES["single"]["compile"]) == "fsdp"
 
 

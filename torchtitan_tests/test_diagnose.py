@@ -129,13 +129,13 @@ def test_healthy_names_where_the_efficiency_goes(tmp_path):
     loss = f["evidence"]["largest_loss"]
     assert loss["cause"] == "overlap_contention" and loss["excess_ms_per_step"] == pytest.approx(80, abs=1)
     assert "benchmarks/stream_profile.py" in f["next_check"] and "fsdp_copy_engine_all_gather" in f["next_check"]
-    assert "--training.bf16_params" in f["next_check"]  # ddp without it: bf16 gradients come first
+    assert "--parallelism.ddp_reduce_dtype bfloat16" in f["next_check"]  # ddp without it: bf16 all-reduce first
     b16 = make_log(tmp_path / "b16.json", 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
     log = json.loads((tmp_path / "b16.json").read_text())
-    log["startup_info"]["config"]["training.bf16_params"] = True
+    log["startup_info"]["config"]["parallelism.ddp_reduce_dtype"] = "bfloat16"
     (tmp_path / "b16.json").write_text(json.dumps(log))
     (f,) = report(tmp_path, a, b16)["findings"]
-    assert "--training.bf16_params" not in f["next_check"] and "fsdp_copy_engine_all_gather" in f["next_check"]
+    assert "ddp_reduce_dtype" not in f["next_check"] and "fsdp_copy_engine_all_gather" in f["next_check"]
     c = make_log(tmp_path / "c.json", 2, 904.0, phases={**ph, "comm": 3.0})
     (f,) = report(tmp_path, a, c)["findings"]
     assert f["kind"] == "healthy" and "largest_loss" not in f["evidence"], f["title"]

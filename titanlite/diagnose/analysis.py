@@ -665,9 +665,9 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
         else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
             fix = ("fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs "
                    "(ddp's all-reduce split onto the copy engines measured slower)")
-            if mode == "ddp" and not cfg_value(run, "training.bf16_params"):
-                fix = ("--training.bf16_params makes the all-reduced gradients bf16 (ddp went from 89% to 92-93% of "
-                       "one GPU's rate there); beyond that, " + fix)
+            if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16":
+                fix = ("--parallelism.ddp_reduce_dtype bfloat16 halves the all-reduced bytes (the gradients are "
+                       "summed over the ranks in bf16); beyond that, " + fix)
         out["next_check"] = (
             "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
             "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. "
