@@ -27,8 +27,10 @@ ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
 MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm"}
-if hasattr(aten.addmm, "dtype_out"):  # addmm(acc, a, b, out_dtype=, out=acc): a GEMM adding into an fp32 output
-    MATMULS[aten.addmm.dtype_out] = "addmm"
+# mm(a, b, out_dtype=) and addmm(acc, a, b, out_dtype=, out=acc): GEMMs with an fp32 output
+for _op, _kind in (("mm", "dtype"), ("addmm", "dtype"), ("addmm", "dtype_out")):
+    if _kind in getattr(aten, _op).overloads():
+        MATMULS[getattr(getattr(aten, _op), _kind)] = _op
 # c10d op -> (ring traffic factor on the buffer, index of the buffer arg whose bytes count)
 COLLECTIVES = {
     "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
@@ -256,6 +258,9 @@ class StepTracker(TorchDispatchMode):
         if func in MATMULS:
             a, b = (args[1], args[2]) if MATMULS[func] == "addmm" else (args[0], args[1])
             w.matmul_flops += 2 * a.numel() * b.shape[-1]
+        elif func.namespace == "titanlite" and name == "weight_grad":  # ops.master_linear: grad_out^T x, one GEMM
+            grad_out, x = args[0], args[1]
+            w.matmul_flops += 2 * grad_out.numel() * x.shape[-1]
         elif name == "_scaled_mm":
             w.float8_flops += 2 * args[0].numel() * args[1].shape[-1]
         elif "scaled_dot_product" in name and "attention" in name:
