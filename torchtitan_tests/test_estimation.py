@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT
 
 from titanlite.config import ConfigError, load_config
+from titanlite.models import get_model_args
 
 # debug shapes with a large vocabulary, so per-tensor 512-byte rounding stays far below 1%
 BASE = ["--model.flavor", "debug", "--model.vocab_size", "32768", "--training.seq_len", "32",
@@ -219,3 +220,20 @@ def test_cli_table_and_json(tmp_path):
     tokens = 2 * 2 * 6 * 32
     assert t["overlap"]["tokens_per_sec"] == pytest.approx(tokens / (t["overlap"]["step_ms"] / 1000))
     assert t["overlap"]["step_ms"] <= t["no_overlap"]["step_ms"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--training.bf16_params=false"], ["--compile.enable"]])
+def test_gemm_flops_are_the_model_flops(extra):
+    """The fake step's GEMM work is 6 x (params without the input embedding) x tokens, whichever path
+    computes the weight gradients (bf16 copies with fp32-output GEMMs, autocast, compiled blocks)."""
+    from estimation.fake_run import FakeRun
+
+    cfg = _cfg("--parallelism.data_parallel", "ddp", *extra)
+    run = FakeRun(cfg, 1)
+    try:
+        work = run.step(2).work
+    finally:
+        run.close()
+    tokens = 2 * 32
+    want = 6 * get_model_args("llama", "debug", 32768).num_params(exclude_embedding=True) * tokens
+    assert sum(w.matmul_flops for w in work.values()) == pytest.approx(want, rel=0.01)
