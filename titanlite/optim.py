@@ -283,7 +283,7 @@ def lr_factor(step: int, total: int, warmup: int, decay_type: str, min_factor: f
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    s, total = cfg.lr_scheduler, cfg.training.steps
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, s, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The lr_scheduler section `s`'s schedule over `total` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total, s.warmup_steps, s.decay_type, s.min_lr_factor, s.decay_ratio))

@@ -141,7 +141,7 @@ def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, gr
                           compile_loss=cfg.compile.enable if compile_loss is None else compile_loss),
         grad_accum, cfg.training.max_norm,
         clip_into=optimizer if fuse else None,  # the clip scale goes into the AdamW kernel
-        on_nan=cfg.training.on_nan, post_update=lambda: float8_post_step(model, cfg))
+        on_nan=cfg.training.on_nan, post_update=lambda: float8_post_step(model, cfg.float8))
 
 
 class NonFiniteLossError(RuntimeError):

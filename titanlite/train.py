@@ -129,7 +129,7 @@ class Trainer:
                                 cfg.training.loss_chunk_tokens, cfg.model.init)
         self.model = model = parallelize(model, cfg, self.dims)
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         # Checkpoints: resume (or initial safetensors load) now, before anything reads the state.
         self.checkpointer = Checkpointer(

@@ -368,7 +368,7 @@ def test_float8_matrices_keep_their_own_form(mode):
     cfg = load_config([*BF16, "--float8.enable", "--float8.emulate"])
     with torch.device("meta"):
         model = build_model(get_model_args("llama", "debug"), "sdpa", 32)
-    apply_float8(model, cfg, SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu")))
+    apply_float8(model, cfg.float8, SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu")))
     materialize(model, torch.device("cpu"), 0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_bf16_params(model, mode)

@@ -39,9 +39,9 @@ def _float8_eligible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, cfg, dims) -> None:
-    """Swap eligible nn.Linear for torchao Float8Linear (dynamic scaling, tensorwise or rowwise)."""
-    f8 = cfg.float8
+def apply_float8(model: nn.Module, f8, dims) -> None:
+    """Swap eligible nn.Linear for torchao Float8Linear (dynamic scaling, tensorwise or rowwise), as
+    the float8 config section `f8` says."""
     if not f8.emulate and not float8_supported(dims.device):
         where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
         raise ConfigError(f"float8.enable needs a GPU with compute capability >= 8.9 (H100-class), not {where}; "
@@ -60,10 +60,11 @@ def apply_float8(model: nn.Module, cfg, dims) -> None:
     convert_to_float8_training(model, config=config, module_filter_fn=_float8_eligible)
 
 
-def float8_post_step(model: nn.Module, cfg) -> None:
-    """After optimizer.step under FSDP with float8 all-gather: compute every weight's scale in one
-    fused all-reduce, instead of one small reduction per weight inside the next forward."""
-    if cfg.float8.enable and cfg.float8.recipe == "tensorwise" and is_fsdp(model):
+def float8_post_step(model: nn.Module, f8) -> None:
+    """After optimizer.step under FSDP with float8 all-gather (`f8`: the float8 config section):
+    compute every weight's scale in one fused all-reduce, instead of one small reduction per weight
+    inside the next forward."""
+    if f8.enable and f8.recipe == "tensorwise" and is_fsdp(model):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
@@ -97,13 +98,13 @@ def _save_matmuls_policy():
     return policy
 
 
-def apply_ac(model: nn.Module, cfg) -> None:
-    """Wrap blocks for recomputation in backward: full (every block), selective 'op' (every block,
-    save matmul outputs only) or selective N (every N-th block, fully recomputed)."""
+def apply_ac(model: nn.Module, ac) -> None:
+    """Wrap blocks for recomputation in backward (`ac`: the activation_checkpoint section): full (every
+    block), selective 'op' (every block, save matmul outputs only) or selective N (every N-th block,
+    fully recomputed)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    ac = cfg.activation_checkpoint
     every, context_fn = 1, None
     if ac.mode == "selective":
         if ac.selective_option == "op":
@@ -122,16 +123,17 @@ def apply_ac(model: nn.Module, cfg) -> None:
 
 
 # ------------------------------------------------------------------------------------------ compile
-def apply_compile(model: nn.Module, cfg) -> None:
-    """torch.compile each TransformerBlock with fullgraph=True: small graphs, compiled once and
-    reused by every block of the same shape; FSDP/DDP hooks stay outside the compiled regions."""
-    if cfg.compile.coordinate_descent_tuning:
+def apply_compile(model: nn.Module, c) -> None:
+    """torch.compile each TransformerBlock with fullgraph=True (`c`: the compile section): small graphs,
+    compiled once and reused by every block of the same shape; FSDP/DDP hooks stay outside the
+    compiled regions."""
+    if c.coordinate_descent_tuning:
         import torch._inductor.config as inductor_config
 
         # Inductor's config is process-wide: the loss kernel compiled later is tuned too.
         inductor_config.coordinate_descent_tuning = True
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True, mode=cfg.compile.mode))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True, mode=c.mode))
     model.compile_loss = True  # the chunked loss compiles its per-chunk softmax/gradient kernel
 
 
@@ -174,16 +176,16 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
     """Take the meta-device model spec; return the materialised, initialised, wrapped model. The
-    combination of settings was checked when `dims` were made (init_distributed).
+    combination of settings was checked when the config was loaded (config.manager.load_config).
 
     `wrap(model, cfg, dims)` replaces the mode's data-parallel wrapper: estimation's fake run wraps
     fake tensors on a fake process group, which needs a prebuilt mesh and its own DDP comm hook."""
     if cfg.float8.enable:
-        apply_float8(model, cfg, dims)
+        apply_float8(model, cfg.float8, dims)
     if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg)
+        apply_ac(model, cfg.activation_checkpoint)
     if cfg.compile.enable:
-        apply_compile(model, cfg)
+        apply_compile(model, cfg.compile)
     materialize(model, dims.device, cfg.training.seed)
     if bf16_copies(cfg, dims.world_size, dims.device.type):
         apply_bf16_params(model, dims.mode)  # before ddp, whose buckets take the gradients' dtype
