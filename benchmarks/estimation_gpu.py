@@ -8,7 +8,7 @@
 Each measured case is the real trainer (synthetic data, 8 steps) started through benchmarks/launch.py:
 the one-GPU cases one after another in one worker process, each OOM probe and multi-GPU case in a
 process of its own. Its peak is torch.cuda.max_memory_allocated from the run log, its tokens/s the
-launcher's steady-state mean (log steps after step 4). The predictions run at the same time in a
+launcher's steady-state mean (log steps after step 8). The predictions run at the same time in a
 CPU process pool (estimation.estimate on fake tensors, the GPU picked from the device name), as
 does the recommendation for the target batch (estimation.recommend), whose top pick is then run
 as one more case. A torch.profiler window over the profiled cases sorts kernel time into the
@@ -42,7 +42,7 @@ B200_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_b200.toml")
 QWEN_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_b200.toml")
 RUN = ["--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false",
        "--training.dataset", "synthetic", "--data.num_workers", "0", "--compile.enable"]
-STEPS, LOG_FREQ, SKIP = 8, 4, 4  # steady state: the log steps after step 4 (compile falls before it)
+STEPS, LOG_FREQ, SKIP = 12, 2, 8  # steady state: the log steps after step 8 (compile and the profile fall before it)
 
 # name -> (GPUs, config file, overrides). One-GPU cases run in this order (the first is profiled too).
 CASES = {

@@ -57,6 +57,26 @@ class _FusedRMSNorm(torch.autograd.Function):
         return gx.to(x.dtype), (grad.float() * xhat).flatten(0, -2).sum(0).to(weight.dtype), None
 
 
+@functools.cache
+def _fake_addmm_takes_out_dtype() -> bool:
+    """Whether fake tensors run addmm's fp32-output overload (torch 2.11 decomposes it as plain addmm,
+    taking the dtype for beta, and raises a TypeError; 2.13 has its own decomposition)."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # the failing probe is expected on such a torch: no logged traceback
+    try:
+        with FakeTensorMode():
+            a = torch.empty(2, 2, dtype=torch.bfloat16)
+            torch.addmm(torch.empty(2, 2), a, a, out_dtype=torch.float32)
+        return True
+    except TypeError:
+        return False
+    finally:
+        log.setLevel(level)
+
+
 @contextlib.contextmanager
 def cuda_like_kernels():
     """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors or do different
@@ -75,8 +95,11 @@ def cuda_like_kernels():
     import titanlite.ops.loss as loss
 
     def fp32_mm(a, b, acc=None):  # CUDA's path (titanlite.ops.master_linear.fp32_mm): one fp32-output GEMM
-        return torch.mm(a, b, out_dtype=torch.float32) if acc is None else torch.addmm(
-            acc, a, b, out_dtype=acc.dtype, out=acc)
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        if _fake_addmm_takes_out_dtype():
+            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
     F.rms_norm, orig_mm, loss.fp32_mm = rms_norm, loss.fp32_mm, fp32_mm
     try:

@@ -111,9 +111,10 @@ def classes(cfg, world: int, hw) -> list[Knobs]:
     """Every class the GPU and the mode records allow, without activation checkpointing first."""
     modes = ["none"] if world == 1 else ["ddp", "zero1", "fsdp"] + (["hsdp"] if world > GPUS_PER_NODE else [])
     out = []
+    opt_in = cfg.estimate.recommend_opt_in
     for mode, f8, (bf16p, bf16m) in itertools.product(
-            modes, (False, True) if hw.capability >= 9 else (False,),
-            ((False, False), (True, False), (True, True))):
+            modes, (False, True) if hw.capability >= 9 and opt_in else (False,),
+            ((False, False), (True, False)) + (((True, True),) if opt_in else ())):
         refuses = MODES[mode].refuses
         if (bf16p and MODES[mode].bf16_params != "copies") or (bf16m and "optimizer.moments_dtype=bfloat16" in refuses):
             continue  # fsdp/hsdp take bf16 from FSDP's policy: bf16_params would be the same class again

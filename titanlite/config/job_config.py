@@ -241,6 +241,8 @@ class Estimate:
                                  "print the best predicted configurations and write the best as a TOML")
     target_tokens: int = doc(0, "recommend: tokens per optimizer step (0 = training.global_batch_size x seq_len)",
                              min=0)
+    recommend_opt_in: bool = doc(True, "recommend: also search the settings that change numerics (float8, bf16 "
+                                       "moments); false keeps the default's numerics")
     recommend_top: int = doc(5, "recommend: configurations printed", min=1)
     recommend_output: str = doc("", "recommend: TOML path ('' = <job.dump_folder>/recommended.toml)")
 

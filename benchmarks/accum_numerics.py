@@ -1,0 +1,124 @@
+"""The default precision (bf16 copies of fp32 masters, fp32 weight gradients) against autocast, on
+real text with gradient accumulation or ddp: three seeds of each, the same seeds on both sides.
+
+  python benchmarks/accum_numerics.py [--ngpus 1] [--accum 8] [--steps 500] [--seeds 1,2,3]
+  python benchmarks/accum_numerics.py --ngpus 2 --accum 1        # ddp, gradients all-reduced each step
+
+The text is torchtitan's c4_test asset prepared as loss_parity.py prepares it (carry .bench). The
+model is LLaMA 134M (vocabulary 32000), local batch 4 x seq 512, compile, lr 6e-4 with 50 warm-up
+steps; the data order follows the seed. "Final loss" is the mean training loss over the last 20
+steps. The default passes where each of its seeds' final losses lies within the spread (lowest to
+highest) of the autocast seeds' final losses, widened by nothing. All runs of one GPU count share the
+GPU(s) and run at once (a 134M model leaves most of an H100 idle), so timings mean nothing here.
+Writes accum_numerics.md and accum_numerics.json to --out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
+import loss_parity  # noqa: E402  (the c4_test preparation)
+
+FINAL = 20  # "final loss": mean over the last this-many steps
+PATHS = {"default (bf16 copies, fp32 grads)": [], "autocast": ["--training.bf16_params=false"]}
+
+
+LOCAL, SEQ = 4, 512
+
+
+def options(prepared: Path, flavor: str, accum: int, ngpus: int, seed: int, warmup: int) -> list[str]:
+    local, seq = LOCAL, SEQ
+    return ["--model.name", "llama", "--model.flavor", flavor, "--model.vocab_size", "32000",
+            "--training.dataset", "prepared", "--training.dataset_path", str(prepared),
+            "--training.local_batch_size", str(local), "--training.global_batch_size", str(local * accum * ngpus),
+            "--training.seq_len", str(seq), "--training.seed", str(seed), "--optimizer.lr", "6e-4",
+            "--lr_scheduler.warmup_steps", str(warmup), "--compile.enable", "--parallelism.data_parallel",
+            "ddp" if ngpus > 1 else "fsdp", "--validation.enable=false", "--checkpoint.enable=false",
+            "--metrics.progress_bar=false"]
+
+
+def final_loss(entries: list[dict]) -> float | None:
+    losses = launch.step_losses(entries)
+    last = sorted(losses)[-FINAL:]
+    return sum(losses[s] for s in last) / len(last) if last else None
+
+
+def report(finals: dict[str, dict[int, float | None]], errors: dict[str, str | None], head: str) -> str:
+    seeds = sorted({s for f in finals.values() for s in f})
+    lines = [head, "", "| path | " + " | ".join(f"seed {s}" for s in seeds) + " | spread | note |",
+             "|---|" + "---|" * (len(seeds) + 2)]
+    for name, f in finals.items():
+        vals = [v for v in f.values() if v is not None]
+        spread = f"{min(vals):.4f} - {max(vals):.4f}" if vals else "-"
+        cells = [f"{f[s]:.4f}" if f.get(s) is not None else "-" for s in seeds]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {spread} | {errors.get(name) or ''} |")
+    (d, dv), (_, av) = ((k, [v for v in f.values() if v is not None]) for k, f in finals.items())
+    if dv and av and len(dv) == len(seeds) and len(av) == len(seeds):
+        inside = all(min(av) <= v <= max(av) for v in dv)
+        mean_d, mean_a = sum(dv) / len(dv), sum(av) / len(av)
+        lines += ["", f"default inside autocast's spread: {'yes' if inside else 'NO'}; means {mean_d:.4f} "
+                      f"(default) vs {mean_a:.4f} (autocast), {100 * (mean_d / mean_a - 1):+.3f}%"]
+    else:
+        lines += ["", "default inside autocast's spread: not decided (a run failed)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = launch.Parser(__doc__)
+    ap.add_argument("--ngpus", type=int, default=1, help="1: gradient accumulation on one GPU; 2+: ddp over them")
+    ap.add_argument("--accum", type=int, default=8, help="micro-steps per optimizer step")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--flavor", default="134M", help="LLaMA flavor (debug: a quick functional check on CPU)")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--parallel", type=int, default=0, help="runs at once (default: all on one GPU, 2 over several)")
+    ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/accum_numerics"))
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds takes integers separated by commas, not {a.seeds!r}")
+    if a.steps <= FINAL or a.accum < 1 or a.ngpus < 1 or not 0 <= a.warmup < a.steps:
+        ap.error(f"need --steps > {FINAL}, --accum >= 1, --ngpus >= 1 and 0 <= --warmup < --steps")
+    if not (loss_parity.ASSETS / "c4_test" / "data.json").exists():
+        sys.exit("accum_numerics: torchtitan's c4_test asset is not here: carry .bench (cp -r ../shared/bench .bench)")
+    work = launch.WORK / "accum_numerics"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    prepared, _ = loss_parity.prepare(work)
+
+    jobs = [(path, seed) for path in PATHS for seed in seeds]
+
+    def one(job):
+        path, seed = job
+        name = f"numerics_{'default' if not PATHS[path] else 'autocast'}_seed{seed}"
+        base = options(prepared, a.flavor, a.accum, a.ngpus, seed, a.warmup)
+        return job, launch.titanlite(name, PATHS[path], a.ngpus, a.steps, 10, a.timeout, work=work, base=base)
+
+    at_once = a.parallel or (len(jobs) if a.ngpus == 1 else 2)
+    with ThreadPoolExecutor(at_once) as pool:
+        done = list(pool.map(one, jobs))
+    finals = {p: {} for p in PATHS}
+    errors: dict[str, str | None] = {}
+    for (path, seed), r in done:
+        finals[path][seed] = final_loss(r.entries) if r.error is None else None
+        if r.error:
+            errors[path] = f"seed {seed}: {r.error}"
+    mode = f"ddp over {a.ngpus} GPUs" if a.ngpus > 1 else "1 GPU"
+    head = (f"LLaMA {a.flavor}, c4_test, local batch {LOCAL} x seq {SEQ}, accumulation {a.accum}, {mode}, {a.steps} steps; "
+            f"final loss = mean of the last {FINAL} steps")
+    text = report(finals, errors, head)
+    print("\n" + text)
+    launch.save(Path(a.out), "accum_numerics", text, [r for _, r in done],
+                {"finals": {p: f for p, f in finals.items()}, "argv": sys.argv[1:] if argv is None else argv})
+
+
+if __name__ == "__main__":
+    main()
