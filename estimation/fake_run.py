@@ -34,7 +34,7 @@ from titanlite.parallel.data_parallel import _fsdp, apply_ddp
 from titanlite.parallel.modes import MODES
 from titanlite.step import StepHooks, build_train_step
 
-from estimation.tracker import StepTracker, nbytes
+from estimation.tracker import StepTracker, view_bytes
 
 WARMUP_SEQ = 16  # the warm-up step only has to create optimizer state and DDP buckets
 
@@ -206,8 +206,9 @@ def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
     if counting:
         work = tracker.work[tracker.phase]
         copy = args[-1]
-        work.memory_bytes += (nbytes(g) + 2 * (nbytes(p) + nbytes(m) + nbytes(v))
-                              + (0 if lo is None else 2 * nbytes(lo)) + (0 if copy is None else nbytes(copy)))
+        # the elements each tensor has, not its storage: under ddp a gradient is a view of its bucket
+        work.memory_bytes += (view_bytes(g) + 2 * (view_bytes(p) + view_bytes(m) + view_bytes(v))
+                              + (0 if lo is None else 2 * view_bytes(lo)) + (0 if copy is None else view_bytes(copy)))
         work.ops += 1
 
 

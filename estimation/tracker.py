@@ -53,7 +53,19 @@ def storages(t) -> list:
 
 
 def nbytes(t) -> int:
+    """Bytes of memory a tensor holds: its whole storages (a view of a bucket holds the bucket)."""
     return sum(s.nbytes() for s in storages(t))
+
+
+def view_bytes(t) -> int:
+    """Bytes a kernel reads or writes of a tensor: its own elements (a view of a bucket: the view's),
+    through wrapper subclasses to their local data."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return sum(view_bytes(getattr(t, a)) for a in attrs)
+    return t.numel() * t.element_size()
 
 
 def _aligned(n: int) -> int:
