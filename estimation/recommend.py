@@ -40,7 +40,8 @@ from estimation.tracker import PhaseWork
 # The numerics trade-off of each opt-in setting, in one phrase (docs/performance.md has the runs).
 TRADE_OFFS = {
     "float8": "float8 matmuls in the blocks (tensorwise scales): lower-precision GEMMs, watch the loss",
-    "bf16_params": "bf16 copies of the fp32 block weights: autocast's forward, weight gradients fp32 from the GEMM",
+    "autocast": "autocast over fp32 weights instead of the default's bf16 copies: weight gradients rounded "
+                "to bf16 each micro-step",
     "bf16_moments": "bf16 AdamW moments (beta2 <= 0.99): 200-step runs inside autocast's range",
     "ac": "recomputes activations in backward: same numerics, more compute",
     "cuda_graphs": "replays the captured step: same numerics",
@@ -68,9 +69,14 @@ class Knobs:
             out.update({"parallelism.shard_degree": GPUS_PER_NODE, "parallelism.replicate_degree": -1})
         return out
 
+    @property
+    def autocast(self) -> bool:
+        """Autocast where the mode would take the default bf16 copies (fsdp/hsdp get bf16 from FSDP)."""
+        return not self.bf16_params and MODES[self.mode].bf16_params == "copies"
+
     def label(self) -> str:
         parts = [self.mode, f"AC {self.ac}" if self.ac != "none" else ""]
-        parts += ["float8" if self.float8 else "", "bf16_params" if self.bf16_params else "",
+        parts += ["float8" if self.float8 else "", "autocast" if self.autocast else "",
                   "bf16 moments" if self.bf16_moments else ""]
         return ", ".join(p for p in parts if p)
 
@@ -89,7 +95,7 @@ class Candidate:
 
     def trade_offs(self) -> list[str]:
         k = self.knobs
-        keys = [n for n, on in (("float8", k.float8), ("bf16_params", k.bf16_params), ("bf16_moments", k.bf16_moments),
+        keys = [n for n, on in (("float8", k.float8), ("autocast", k.autocast), ("bf16_moments", k.bf16_moments),
                                 ("ac", k.ac != "none"), ("cuda_graphs", self.cuda_graphs)) if on]
         return [TRADE_OFFS[n] for n in keys]
 

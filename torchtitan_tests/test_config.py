@@ -253,3 +253,25 @@ def test_missing_deps_checks_versions_and_markers():
 
     reqs = ["torch>=2.11", "numpy>=1.24", "tqdm>=4.60", "tomli>=2.0; python_version < '3.0'"]
     assert missing(reqs, version_of) == ["torch>=2.11 (found 2.10.0)", "tqdm"]
+
+
+MACHINE_PRESETS = sorted((ROOT / "train_configs").glob("*_[18]x*.toml"))
+
+
+@pytest.mark.parametrize("path", MACHINE_PRESETS, ids=lambda p: p.name)
+def test_machine_presets_check_at_their_size_and_say_where_their_figures_come_from(path):
+    """Each machine preset loads at its own GPU count with no accumulation left over, names its
+    machine in [estimate], and says whether its figures were measured or only predicted."""
+    world = int(path.stem.split("_")[-1].split("x")[0])  # llama_1.36b_8xh100 -> 8
+    cfg = load_config(["--job.config_file", str(path)], world)
+    assert cfg.estimate.ngpu == world and path.stem.endswith(cfg.estimate.hardware)
+    accum = resolve_batch(cfg, world)
+    assert cfg.training.local_batch_size * accum * world == cfg.training.global_batch_size
+    head = path.read_text().split("[job]")[0]
+    assert ("MEASURED" in head) != ("PREDICTED" in head), "a preset says measured or predicted, once"
+    assert cfg.compile.enable
+
+
+def test_machine_presets_cover_the_machines_users_run():
+    names = {p.stem for p in MACHINE_PRESETS}
+    assert {f"{m}_{n}" for m in ("llama_1.36b", "qwen3_1.8b") for n in ("1xh100", "8xh100", "8xh200", "8xb200")} <= names

@@ -15,9 +15,9 @@ Two entry points share the update (`_update_block`):
 - `master_adamw_update_many`: one launch for a whole list of parameters. Each program finds its
   parameter and block through two tables built once per list of sizes; each tensor's address is an
   element offset from the list's first tensor (a small table, rebuilt when a gradient moves).
-  Launching a Triton kernel costs tens of microseconds of Python: at 1.36B (165 parameters) one
-  launch per parameter took 11-13 ms of host time a step on an H100, as long as the update takes on
-  the GPU; one launch per group takes 2.5 ms (benchmarks/step_host_time.py). It needs every address
+  Launching a Triton kernel costs tens of microseconds of Python: with one launch per parameter the
+  host took about as long to launch the update as the GPU took to run it
+  (benchmarks/step_host_time.py measures both). It needs every address
   and size to be a multiple of 8 elements (it then moves 16 bytes per access, as the per-parameter
   kernel does).
 - `master_adamw_update`: one parameter per launch. Used while a CUDA graph is being captured (the

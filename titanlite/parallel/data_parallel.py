@@ -192,7 +192,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
 
     With a fused AdamW (see fused_clip_supported) the gradients are not rescaled here: the scale
     goes to the optimizer as `grad_scale` (its kernel divides each gradient by it while updating),
-    which saves a full read and write of every gradient, about 4 ms a step at 1.3B on an H100. With
+    which saves a full read and write of every gradient. With
     skip_nonfinite it also sets `found_inf`, so a non-finite step is skipped on the device with no
     host sync. Under FSDP the gradients are DTensors and the norm comes back as one; reading it as
     a full tensor reduces the shards' partial norms so every rank sees the global value.
@@ -205,7 +205,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         # one list per dtype: torch's multi-tensor kernel takes lists of one dtype, and a mixed list
-        # falls back to one reduction per tensor (1.6 ms a step at 1.36B on an H100); fp32 sums either way
+        # falls back to one reduction per tensor; fp32 sums either way
         norms = [n for grads in by_dtype.values() for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
         norm = torch.linalg.vector_norm(torch.stack(norms))
         if max_norm > 0:  # same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
