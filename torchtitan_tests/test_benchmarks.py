@@ -284,3 +284,25 @@ def test_stream_profile_bad_gpu_count_is_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), "--ngpus", "x"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "stream_profile: --ngpus takes a positive integer"
+
+
+def test_accum_numerics_decides_inside_the_spread_per_seed():
+    import accum_numerics
+
+    default, autocast = list(accum_numerics.PATHS)
+    inside = accum_numerics.report({default: {1: 1.24, 2: 1.25}, autocast: {1: 1.23, 2: 1.26}}, {}, "h")
+    assert "spread: yes" in inside and "1.2300 - 1.2600" in inside
+    outside = accum_numerics.report({default: {1: 1.24, 2: 1.27}, autocast: {1: 1.23, 2: 1.26}}, {}, "h")
+    assert "spread: NO" in outside
+    failed = accum_numerics.report({default: {1: 1.24, 2: None}, autocast: {1: 1.23, 2: 1.26}},
+                                   {default: "seed 2: exit 1"}, "h")
+    assert "not decided" in failed and "seed 2: exit 1" in failed
+
+
+@pytest.mark.parametrize("script, argv", [("presets.py", ["--only", "no such row"]),
+                                          ("accum_numerics.py", ["--seeds", "1,x"]),
+                                          ("accum_numerics.py", ["--steps", "5"])])
+def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
