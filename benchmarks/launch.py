@@ -229,12 +229,10 @@ def figures(entries: list[dict], skip: int) -> dict:
 
 
 def step_losses(entries: list[dict]) -> dict[int, float]:
-    """step -> loss of every optimizer step in titanlite's log entries (each entry's step_losses end at its iter)."""
-    out = {}
-    for e in entries:
-        losses = e.get("step_losses") or [e["loss"]]
-        out.update({e["iter"] - len(losses) + 1 + i: v for i, v in enumerate(losses)})
-    return out
+    """step -> loss of every optimizer step in titanlite's log entries (titanlite.metrics.run_log's rule)."""
+    from titanlite.metrics.run_log import step_losses as by_step
+
+    return by_step(entries)
 
 
 # ------------------------------------------------------------------------------------------ torchtitan

@@ -12,6 +12,7 @@ import torch
 
 from titanlite.checkpoint import complete_steps
 from titanlite.config import ConfigError, load_config
+from titanlite.metrics.run_log import step_losses
 from titanlite.train import Trainer
 
 from conftest import ROOT
@@ -28,11 +29,7 @@ def args(folder, *extra: str) -> list[str]:
 
 
 def losses(trainer) -> dict[int, float]:
-    out = {}
-    for e in trainer.run_log.data["training_iterations"]:
-        for i, v in enumerate(e["step_losses"]):
-            out[e["iter"] - len(e["step_losses"]) + 1 + i] = v
-    return out
+    return step_losses(trainer.run_log.data["training_iterations"])
 
 
 def train(folder, *extra: str) -> Trainer:
@@ -230,8 +227,8 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(base, tmp_path):
     error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert error[0].startswith(f"error: checkpoint {folder / 'checkpoint' / 'step-6'} holds model llama/debug")
-    assert error[0].endswith(f"llama/debug, this run builds qwen3/debug: run the checkpoint's model, or use another "
-                             f"checkpoint.folder or job.dump_folder"), error[0]
+    assert error[0].endswith("llama/debug, this run builds qwen3/debug: run the checkpoint's model, or use another "
+                             "checkpoint.folder or job.dump_folder"), error[0]
     assert "unusable" not in r.stdout + r.stderr
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == before
     # The same model with another argument: the arguments that differ are named.

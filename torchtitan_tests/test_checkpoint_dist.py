@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.config import load_config
+from titanlite.metrics.run_log import step_losses
 from titanlite.train import Trainer
 
 from conftest import ROOT
@@ -49,11 +50,7 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def losses_by_step(log: Path) -> dict[int, float]:
     """{step: loss} from a run log (each entry holds the per-step losses since the previous one)."""
-    out = {}
-    for e in json.loads(log.read_text())["training_iterations"]:
-        for i, v in enumerate(e["step_losses"]):
-            out[e["iter"] - len(e["step_losses"]) + 1 + i] = v
-    return out
+    return step_losses(json.loads(log.read_text())["training_iterations"])
 
 
 def run_logs(folder: Path) -> list[Path]:

@@ -27,21 +27,11 @@ from titanlite.optim import MasterAdamW
 from titanlite.train import Trainer
 
 from conftest import free_port
+from test_checkpoint import args as ckpt_args, losses
+from test_parallel import base_args, step_losses
 
 BF16 = ["--training.mixed_precision_param", "bfloat16"]  # CPU runs are fp32 by default
 AUTOCAST = BF16 + ["--training.bf16_params=false"]
-STEPS = 8
-
-
-def base_args(folder, local_batch: int, *extra: str) -> list[str]:
-    return ["--training.dataset", "python_stdlib", "--training.steps", str(STEPS), "--training.seq_len", "32",
-            "--training.local_batch_size", str(local_batch), "--optimizer.lr", "3e-3",
-            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--validation.enable=false",
-            "--metrics.progress_bar=false", "--data.num_workers", "0", "--job.dump_folder", str(folder), *extra]
-
-
-def step_losses(trainer) -> list[float]:
-    return [v for e in trainer.run_log.data["training_iterations"] for v in e["step_losses"]]
 
 
 def run_single(folder, local_batch: int, *extra: str) -> tuple[Trainer, list[float]]:
@@ -271,19 +261,7 @@ def test_cuda_compiled_and_captured_steps(tmp_path):
 
 # -------------------------------------------------------------------------------- checkpoints
 def _ckpt_args(folder, *extra: str) -> list[str]:
-    return ["--training.dataset", "synthetic", "--training.steps", "6", "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-            "--metrics.log_freq", "1", "--validation.enable=false", "--metrics.progress_bar=false",
-            "--data.num_workers", "0", "--job.dump_folder", str(folder), "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0", *extra]
-
-
-def _losses(trainer) -> dict[int, float]:
-    out = {}
-    for e in trainer.run_log.data["training_iterations"]:
-        for i, v in enumerate(e["step_losses"]):
-            out[e["iter"] - len(e["step_losses"]) + 1 + i] = v
-    return out
+    return ckpt_args(folder, "--checkpoint.keep_latest_k", "0", *extra)  # every checkpoint kept
 
 
 def _train(folder, *extra: str) -> Trainer:
@@ -296,9 +274,9 @@ def _train(folder, *extra: str) -> Trainer:
 def test_default_resumes_exactly(tmp_path):
     """The fp32 masters and moments are the saved state; the bf16 copies are rebuilt from the
     loaded masters, so resuming from step 4 repeats steps 5 and 6 bit for bit."""
-    whole = _losses(_train(tmp_path, *BF16))
+    whole = losses(_train(tmp_path, *BF16))
     t = _train(tmp_path, *BF16, "--checkpoint.load_step", "4")
-    assert _losses(t) == {5: whole[5], 6: whole[6]}
+    assert losses(t) == {5: whole[5], 6: whole[6]}
     params = [p for p in t.model.parameters() if hasattr(p, "bf16_copy")]
     assert params and all(torch.equal(p.bf16_copy, p.detach().bfloat16()) for p in params)
 
@@ -309,7 +287,7 @@ def test_checkpoints_load_across_autocast_and_the_default(tmp_path, saved, loade
     """The same keys and dtypes either way (fp32 weights; step and moments per parameter): a run
     resumed in the other setting starts from the saved masters (the copies follow them) and goes on
     as the saving setting would, up to the small difference between the two."""
-    whole = _losses(_train(tmp_path, *saved))
+    whole = losses(_train(tmp_path, *saved))
     probe = Trainer(load_config(_ckpt_args(tmp_path, *loaded, "--checkpoint.load_step", "4")))
     reference = Trainer(load_config(_ckpt_args(tmp_path, *saved, "--checkpoint.load_step", "4")))
     assert probe.state.step == 4 and type(probe.optimizer) is not type(reference.optimizer)
@@ -325,7 +303,7 @@ def test_checkpoints_load_across_autocast_and_the_default(tmp_path, saved, loade
     reference.close()
     probe.train()
     probe.close()
-    resumed = _losses(probe)
+    resumed = losses(probe)
     assert sorted(resumed) == [5, 6] and [resumed[5], resumed[6]] == pytest.approx([whole[5], whole[6]], rel=1e-3)
 
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titanlite.config import ConfigError, load_config
-from titanlite.step import make_forward_loss
 from titanlite.train import Trainer
 
 from conftest import ROOT, free_port

@@ -106,6 +106,16 @@ def steady(entries: list[dict], config: dict | None = None, warmup_steps: int | 
     return Steady(rest, len(logged) - len(rest), cutoff, False)
 
 
+def step_losses(entries: list[dict]) -> dict[int, float]:
+    """step -> loss of every optimizer step in a run log's entries: each entry's `step_losses` are
+    the steps since the previous entry, ending at its `iter` (a log without them: its `loss`)."""
+    out = {}
+    for e in entries:
+        losses = e.get("step_losses") or [e["loss"]]
+        out.update({e["iter"] - len(losses) + 1 + i: v for i, v in enumerate(losses)})
+    return out
+
+
 def mean(values) -> float | None:
     vals = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     return sum(vals) / len(vals) if vals else None
