@@ -130,8 +130,20 @@ def _kill_group(p: subprocess.Popen) -> None:
             p.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
-        if sig == signal.SIGTERM and not any(Path(f"/proc/{pid}").exists() for pid in pids):
+        # a signalled descendant takes a moment to exit after the group leader has: wait for it
+        deadline = time.time() + wait
+        while not all(_gone(pid) for pid in pids) and time.time() < deadline:
+            time.sleep(0.05)
+        if all(_gone(pid) for pid in pids):
             return
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for its new parent to reap it (it holds nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _descendants(pid: int) -> list[int]:
