@@ -411,3 +411,32 @@ def test_state_encoding_round_trips_exactly(tmp_path):
     assert math.copysign(1, x[2]) == -1 and back["__tuple__"] == state["__tuple__"]
     with pytest.raises(TypeError, match="a object cannot be stored"):
         EncodedState(0, {"x": object()})
+
+
+def test_signal_after_a_peers_stop_still_saves_and_a_real_second_signal_aborts(monkeypatch):
+    """A rank told of the stop by a peer's flag, then signalled itself (torchrun signals every rank):
+    that is its first signal, so it finishes the step and saves. A second signal of its own, past the
+    echo window, aborts."""
+    import os
+    import signal
+    import time
+
+    from titanlite.checkpoint import preemption as pre
+
+    clock = [1000.0]
+    monkeypatch.setattr(pre.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pre.dist, "all_reduce", lambda t, **kw: t.fill_(1))  # a peer was signalled
+    p = pre.Preemption(group=object())
+    p.install()
+    try:
+        assert p.requested() and p.received == "a signal on another rank"
+        clock[0] += 10 * pre.REPEAT_GRACE_S
+        os.kill(os.getpid(), signal.SIGTERM)  # this rank's own, first signal
+        time.sleep(0.05)
+        assert p.received == "SIGTERM"
+        clock[0] += 10 * pre.REPEAT_GRACE_S
+        with pytest.raises(KeyboardInterrupt, match="second SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+    finally:
+        p.restore()

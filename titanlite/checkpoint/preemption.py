@@ -22,7 +22,7 @@ class Preemption:
     def __init__(self, group=None):
         self.group = group
         self.received: str | None = None
-        self._at = 0.0
+        self._at: float | None = None  # when this rank itself got its first signal (a peer's flag sets none)
         self._previous = {}
 
     def install(self) -> None:
@@ -34,11 +34,14 @@ class Preemption:
             self._previous = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None and time.monotonic() - self._at > REPEAT_GRACE_S:
+        now = time.monotonic()
+        if self._at is not None and now - self._at > REPEAT_GRACE_S:
             self.restore()  # a second, deliberate signal: stop waiting for the step to finish
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: aborting without a checkpoint")
-        if self.received is None:
-            self.received, self._at = signal.Signals(signum).name, time.monotonic()
+        if self._at is None:
+            # The first signal this rank sees, even when a peer's flag already stopped it: torchrun
+            # signals every rank, and one that hears of it from a peer first must still save.
+            self.received, self._at = signal.Signals(signum).name, now
 
     def requested(self) -> bool:
         """True on every rank once any rank has received a signal (call on every rank, every step)."""
