@@ -36,14 +36,11 @@ def test_compiled_activations_below_eager():
         assert compiled.model_state[k] == eager.model_state[k]
 
 
-def _partition_saved_bytes(block, x, rope):
-    """A direct count: compile the block through Inductor's entry point with an inner compile that
-    only records the forward graph, and add up the new storages that graph returns (the block's
-    output and the tensors the partitioner saves for backward), rounded as the tracker rounds them."""
+def _forward_graph(block, x, rope):
+    """Compile the block through Inductor's entry point with an inner compile that only records the
+    graphs; returns the partitioned forward graph."""
     import torch
     import torch._inductor.compile_fx as cfx
-
-    from estimation.tracker import _aligned
 
     graphs = []
 
@@ -57,7 +54,17 @@ def _partition_saved_bytes(block, x, rope):
     compiled = torch.compile(block, fullgraph=True, backend=lambda gm, ins: cfx.compile_fx(gm, ins, inner_compile=inner))
     compiled(x, rope)
     torch._dynamo.reset()
-    fw = graphs[0]
+    return graphs[0]
+
+
+def _partition_saved_bytes(block, x, rope):
+    """A direct count: the new storages the forward graph returns (the block's output and the tensors
+    the partitioner saves for backward), rounded as the tracker rounds them."""
+    import torch
+
+    from estimation.tracker import _aligned
+
+    fw = _forward_graph(block, x, rope)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     seen, total = set(), 0
     for node in out.all_input_nodes:
@@ -197,3 +204,30 @@ def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):
     p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(tmp_path / "missing.json")], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: cannot read")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compiled_full_checkpointing_saves_nothing_but_the_output(mode):
+    """With the default bf16 copies (MasterLinear, a custom autograd.Function) a compiled block under
+    full activation checkpointing keeps no activation of its own for backward: the forward graph's
+    only new floating-point tensor is the block's output. Under selective 'op' it keeps the matmul
+    outputs. (torch 2.11's plain checkpoint lost the recompute tags inside the autograd.Function and
+    kept as much as selective does.)"""
+    import torch
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel.apply import apply_ac, apply_bf16_params
+
+    args = get_model_args("llama", "debug")
+    model = build_model(args, "sdpa", 64)
+    apply_bf16_params(model, "none")
+    apply_ac(model, load_config(["--activation_checkpoint.mode", mode]).activation_checkpoint)
+    x = torch.randn(4, 64, args.dim, requires_grad=True)
+    fw = _forward_graph(model.layers["0"], x, torch.randn(2, 64, args.hdim))
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    new = [n.meta["val"] for n in out.all_input_nodes if n.op != "placeholder" and n.meta["val"].is_floating_point()]
+    saved_bytes = sum(t.numel() * t.element_size() for t in new)
+    if mode == "full":
+        assert [tuple(t.shape) for t in new] == [tuple(x.shape)]
+    else:  # q, k, v, attention, o, w1, w3, w2 outputs at least
+        assert saved_bytes > 4 * x.numel() * x.element_size()

@@ -98,27 +98,40 @@ def _save_matmuls_policy():
     return policy
 
 
+def _recompute_all_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def apply_ac(model: nn.Module, ac) -> None:
     """Wrap blocks for recomputation in backward (`ac`: the activation_checkpoint section): full (every
     block), selective 'op' (every block, save matmul outputs only) or selective N (every N-th block,
-    fully recomputed)."""
+    fully recomputed).
+
+    Full recomputation is an op-level policy too (recompute every op), not checkpoint's plain form:
+    under torch.compile, torch 2.11 tags only the ops Dynamo sees at the top of a checkpointed region,
+    so the ops inside a custom autograd.Function (MasterLinear's matmul) lose their recompute tag and
+    the partitioner keeps their inputs, about as much as selective 'op' keeps. A policy is applied
+    per aten op as the graph is traced, inside such functions too (torch 2.13 turns the plain form
+    into this same policy itself)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    every, context_fn = 1, None
+    every, policy = 1, _recompute_all_policy
     if ac.mode == "selective":
         if ac.selective_option == "op":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls_policy())
+            policy = _save_matmuls_policy()
         elif ac.selective_option.isdigit() and int(ac.selective_option) >= 1:
             every = int(ac.selective_option)
         else:
             raise ConfigError(f"activation_checkpoint.selective_option must be 'op' or a positive integer N; "
                               f"got '{ac.selective_option}'")
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     for name, block in list(model.layers.named_children()):
         if int(name) % every == 0:
-            kw = {"context_fn": context_fn} if context_fn else {}
             # preserve_rng_state=False: the blocks have no dropout, and saving RNG state costs a sync.
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **kw)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context_fn)
             model.layers.register_module(name, wrapped)
 
 
