@@ -66,13 +66,38 @@ def headroom(configured: float, mode: str) -> float:
     return MODES[mode].headroom if configured < 0 else configured
 
 
+# Memory outside the allocator's tensors, mostly the CUDA context (about half a GiB): on 1 x H100 with
+# torch 2.11 a step of 78.28 GiB max allocated ran on the 79.19 GiB GPU, so it is at most 0.91 GiB there.
+RESERVED_ONE_GPU_GIB = 0.6
+# NCCL's own buffers with several ranks (an allowance, not a measurement).
+RESERVED_NCCL_GIB = 0.5
+
+
+def usable_bytes(est, hw, world: int) -> float:
+    """The GPU's memory less estimate.reserved_gib, or (-1) less the reserve above for this many ranks."""
+    reserved = est.reserved_gib if est.reserved_gib >= 0 else (
+        RESERVED_ONE_GPU_GIB + (RESERVED_NCCL_GIB if world > 1 else 0.0))
+    return (hw.memory_gib - reserved) * GIB
+
+
 class _Fits:
-    def __init__(self, usable_bytes: float, fragmentation: float):
+    """A peak fits when it is at most the usable memory: before it reports out of memory the caching
+    allocator releases its cache and retries, so the headroom it keeps over allocated memory at ease
+    (the mode's measured reserved / allocated) is not needed to run. A peak inside that headroom runs
+    with cache releases, which can slow the step: `comfortable` is the budget that avoids them, and with
+    keep_headroom (the recommender) the budget itself."""
+
+    def __init__(self, usable_bytes: float, fragmentation: float, keep_headroom: bool = False):
         self.fragmentation = fragmentation
-        self.budget = usable_bytes / (1 + fragmentation)  # largest peak that fits
+        self.comfortable = usable_bytes / (1 + fragmentation)
+        self.budget = self.comfortable if keep_headroom else usable_bytes  # largest peak that fits
 
     def __call__(self, peak: int) -> bool:
         return peak <= self.budget
+
+    def tight(self, peak: int) -> bool:
+        """Fits, but only by using the allocator's headroom."""
+        return self.comfortable < peak <= self.budget
 
 
 def activation_floor(args, seq_len: int) -> int:
@@ -96,7 +121,7 @@ def estimate(cfg, progress=_progress) -> dict:
     seq = cfg.training.seq_len
     attention = auto_attention(hw) if cfg.model.attention_backend == "auto" else cfg.model.attention_backend
     micro_steps = 2 if accum > 1 else 1  # two micro-steps show both the accumulating and the syncing one
-    usable = hw.memory_gib * GIB - est.reserved_gib * GIB
+    usable = usable_bytes(est, hw, world)
     mode = data_parallel_mode(cfg, world)
     fits = _Fits(usable, headroom(est.fragmentation, mode))
     floor = activation_floor(args, seq)
@@ -111,7 +136,7 @@ def estimate(cfg, progress=_progress) -> dict:
     if limit >= 1 and (est.search or local <= bound):
         progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}"
                  + (", compiled" if cfg.compile.enable else ""))
-        run = FakeRun(cfg, world)
+        run = FakeRun(cfg, world, attention)
         try:
             def peak_of(b: int) -> int:
                 results[b] = r = run.step(b, micro_steps)
@@ -129,11 +154,10 @@ def estimate(cfg, progress=_progress) -> dict:
             run.close()
     if est.search and largest == 0:
         r1 = results.get(1)
-        need = (f"peak {r1.peak_bytes / GIB:.1f} GiB x {1 + fits.fragmentation:.2f}" if r1 else
-                f"its blocks' inputs alone {floor / GIB:.1f} GiB")
+        need = f"peak {r1.peak_bytes / GIB:.1f} GiB" if r1 else f"its blocks' inputs alone {floor / GIB:.1f} GiB"
         raise ConfigError(
             f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "
-            f"1: {need} + {est.reserved_gib} GiB reserved > {hw.memory_gib} GiB; try fsdp, "
+            f"1: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB; try fsdp, "
             f"activation_checkpoint.mode=full, a shorter seq_len or more GPUs")
 
     res = results.get(local)
@@ -186,6 +210,7 @@ def _memory(res: StepResult | None, hw, usable: float, fits, floor_bytes: int) -
         "usable_gib": round(usable / GIB, 2),
         "allocator_headroom": fits.fragmentation,
         "fits": fits(res.peak_bytes),
+        "tight": fits.tight(res.peak_bytes),
         "at_peak_gib": _gib(res.breakdown),
         "model_state_gib": _gib(res.model_state),
     }
@@ -221,16 +246,17 @@ def format_report(r: dict) -> str:
     if not m["fits"]:
         need = (f"peak {m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else
                 f"its blocks' inputs alone {m['floor_gib']:,.1f} GiB")
-        lines.append(f"DOES NOT FIT: local batch {c['local_batch_size']} needs {need} x "
-                     f"{1 + m['allocator_headroom']:.2f} (allocator headroom) > {m['usable_gib']} GiB usable; "
-                     f"no throughput for a run that cannot start")
+        lines.append(f"DOES NOT FIT: local batch {c['local_batch_size']} needs {need} > {m['usable_gib']} GiB "
+                     f"usable; no throughput for a run that cannot start")
     if m["peak_gib"] is not None:
         lines += ["", "memory per rank (GiB)      at peak   after backward"]
         for k in m["at_peak_gib"]:
             lines.append(f"  {k:<24} {m['at_peak_gib'][k]:>8.2f}   {m['model_state_gib'][k]:>8.2f}")
         lines.append(f"  {'peak':<24} {m['peak_gib']:>8.2f}   = {m['share_of_gpu_pct']}% of {m['gpu_memory_gib']} GiB "
-                     f"({'fits' if m['fits'] else 'DOES NOT FIT'} in {m['usable_gib']} GiB usable, "
-                     f"{m['allocator_headroom']:.0%} allocator headroom)")
+                     f"({'fits' if m['fits'] else 'DOES NOT FIT'} in {m['usable_gib']} GiB usable"
+                     + (f"; tight: inside the allocator's {m['allocator_headroom']:.0%} headroom, its cache is "
+                        f"released and refilled during the step, which can slow it)" if m.get("tight") else
+                        f", with the allocator's {m['allocator_headroom']:.0%} headroom)"))
     s = r.get("batch_search")
     if s:
         lines.append(f"largest local batch that fits: {s['largest_local_batch']} "

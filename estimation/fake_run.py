@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titanlite.config.manager import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.models import build_model, get_model_args
+from titanlite.ops.attention import BACKENDS, SDPA, Manual
 from titanlite.optim import build_optimizer
 from titanlite.parallel import ParallelDims, parallelize
 from titanlite.parallel.data_parallel import _fsdp, apply_ddp
@@ -262,6 +263,9 @@ class FakeRun:
     """Rank 0 of `world` ranks; `step(local_batch)` measures one optimizer step at that batch."""
 
     def __init__(self, cfg, world: int, attention_backend: str = "sdpa"):
+        """`attention_backend`: the one the GPU runs (a concrete name). Its tensors are what count: a
+        pinned SDPA kernel, which exists only on a GPU, runs unpinned here with its K/V expansion for
+        GQA; the flash-attn packages take GQA natively, as SDPA's enable_gqa does."""
         self.cfg = run_cfg = copy.deepcopy(cfg)
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
         run_cfg.training.cuda_graphs = False      # capture changes no tensor; it needs a CUDA device
@@ -288,7 +292,11 @@ class FakeRun:
             self._mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
 
         with torch.device("meta"):
-            model = build_model(self.args, attention_backend, self.seq_len, run_cfg.training.loss_chunk_tokens)
+            runnable = attention_backend if issubclass(BACKENDS[attention_backend], (SDPA, Manual)) else "sdpa"
+            model = build_model(self.args, runnable, self.seq_len, run_cfg.training.loss_chunk_tokens)
+            for m in model.modules():
+                if isinstance(getattr(m, "attn", None), SDPA):
+                    m.attn.unpin()
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StepTracker()
         self.hooks = MemoryHooks(self.tracker)

@@ -32,7 +32,7 @@ from titanlite.hardware import GPUS_PER_NODE
 from titanlite.models import get_model_args
 from titanlite.parallel.modes import MODES
 
-from estimation.estimate import GIB, _Fits, activation_floor, headroom
+from estimation.estimate import GIB, _Fits, activation_floor, headroom, usable_bytes
 from estimation.hardware import auto_attention, get_hardware
 from estimation.throughput import assumptions, predict
 from estimation.tracker import PhaseWork
@@ -170,7 +170,7 @@ def recommend(cfg, progress=_progress) -> dict:
     seq = cfg.training.seq_len
     args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
     attention = auto_attention(hw) if cfg.model.attention_backend == "auto" else cfg.model.attention_backend
-    usable = hw.memory_gib * GIB - est.reserved_gib * GIB
+    usable = usable_bytes(est, hw, world)
     locals_ = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     flops_per_token = args.flops_per_token(seq)
     todo = classes(cfg, world, hw)
@@ -181,11 +181,11 @@ def recommend(cfg, progress=_progress) -> dict:
     measured = 0
     while todo:
         knobs = todo.pop(0)
-        fits = _Fits(usable, headroom(est.fragmentation, knobs.mode))
+        fits = _Fits(usable, headroom(est.fragmentation, knobs.mode), keep_headroom=True)
         if activation_floor(args, seq) > fits.budget:
             continue  # not even one sequence's block inputs fit
         c1 = _config(cfg, knobs, 1, per_rank, world)
-        run = FakeRun(c1, world)
+        run = FakeRun(c1, world, attention)
         try:
             r1, r2 = run.step(1, micro_steps=2), run.step(2, micro_steps=2) if per_rank > 1 else None
         finally:
@@ -243,12 +243,12 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
         pending = pending[len(batch):]
         for knobs in dict.fromkeys(c.knobs for c in batch):
             group = [c for c in batch if c.knobs == knobs]
-            run = FakeRun(_config(cfg, knobs, group[0].local, group[0].accum, world), world)
+            run = FakeRun(_config(cfg, knobs, group[0].local, group[0].accum, world), world, attention)
             try:
                 measured = [(c, run.step(c.local, micro_steps=2 if c.accum > 1 else 1)) for c in group]
             finally:
                 run.close()
-            fits = _Fits(usable, headroom(est.fragmentation, knobs.mode))
+            fits = _Fits(usable, headroom(est.fragmentation, knobs.mode), keep_headroom=True)
             a = assumptions(est, hw, world, attention)
             for c, r in measured:
                 ok = fits(r.peak_bytes)

@@ -217,11 +217,13 @@ class Estimate:
     search: bool = doc(True, "search the largest local batch that fits (one fake step per probe)")
     max_local_batch: int = doc(512, "upper bound of that search (also capped where even the blocks' inputs "
                                     "alone would not fit)", min=1)
-    reserved_gib: float = doc(1.0, "memory outside tensors: CUDA context, cuBLAS/NCCL workspaces (GiB)", min=0.0)
-    fragmentation: float = doc(-1.0, "allocator headroom: a batch fits when peak x (1 + this) + reserved_gib <= the "
-                                      "GPU's memory; -1 = the data-parallel mode's, measured with expandable_segments "
-                                      "(titanlite/parallel/modes.py); add 0.05 or more without expandable segments",
-                               min=-1.0)
+    reserved_gib: float = doc(-1.0, "memory outside tensors (CUDA context, library and NCCL buffers), GiB: a batch "
+                                    "fits when peak + this <= the GPU's memory; -1 = 0.6 on one GPU, 1.1 with NCCL",
+                              min=-1.0)
+    fragmentation: float = doc(-1.0, "allocator headroom over the peak: a batch above peak x (1 + this) + reserved "
+                                      "still runs but the allocator releases its cache during the step, and "
+                                      "--estimate.recommend keeps clear of it; -1 = the data-parallel mode's, measured "
+                                      "with expandable_segments (titanlite/parallel/modes.py)", min=-1.0)
     gemm_efficiency: float = doc(0.0, "achieved fraction of the bf16 peak in matmuls (0 = estimation/calibration.json)",
                                  min=0.0, max=1.0)
     float8_efficiency: float = doc(0.0, "achieved fraction of twice the bf16 peak in float8 matmuls (0 = calibrated)",

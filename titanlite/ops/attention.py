@@ -8,6 +8,7 @@ can run here, walking the fallback chain FA4 -> FA3 -> FA2 -> SDPA -> manual wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import math
@@ -64,19 +65,21 @@ class SDPA:
         needs = {"CUDNN_ATTENTION": 9, "FLASH_ATTENTION": 8, "EFFICIENT_ATTENTION": 5}[cls.kernel]
         return major >= needs
 
+    def unpin(self) -> None:
+        """Let torch choose the kernel, keeping this backend's tensors (its K/V expansion): how a dry
+        run on CPU fake tensors stands in for a GPU-only kernel."""
+        self._backends = None
+
     def __call__(self, q, k, v):
+        from torch.nn.attention import sdpa_kernel
+
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        if self._backends is None:
+        if gqa and self.kernel is not None:  # the pinned kernels do not all take enable_gqa; expand explicitly
+            n_rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1), False
+        with sdpa_kernel(self._backends) if self._backends else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            from torch.nn.attention import sdpa_kernel
-
-            if gqa:  # the pinned kernels do not all take enable_gqa; expand explicitly
-                n_rep = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-            with sdpa_kernel(self._backends):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.transpose(1, 2)
 
 
