@@ -161,6 +161,16 @@ def test_recommend_writes_a_toml_that_loads(tmp_path):
     assert t.global_batch_size == 8 and 8 % t.local_batch_size == 0
 
 
+def test_recommend_target_below_the_configured_local_batch():
+    """The recommender chooses the local batch: a target below the file's local batch is no error
+    there, as it is for a training run."""
+    from titanlite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"global_batch_size \(2\) is smaller than training.local_batch_size \(4\)"):
+        load_config(DEBUG + ["--training.global_batch_size", "2"])
+    assert load_config(DEBUG + ["--training.global_batch_size", "2", "--estimate.recommend"]).training.global_batch_size == 2
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--estimate.hardware", "h1000"], "error: estimate.hardware 'h1000' is unknown"),
     (["--estimate.target_tokens", "100"], "error: estimate.target_tokens (100) is not a whole number of sequences"),

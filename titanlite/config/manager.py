@@ -236,7 +236,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor for {cfg.model.name} must be one of {', '.join(flavors)}; got '{cfg.model.flavor}'")
     gb, lb = cfg.training.global_batch_size, cfg.training.local_batch_size
-    if gb != -1 and gb < lb:
+    if gb != -1 and gb < lb and not cfg.estimate.recommend:  # the recommender picks the local batch itself
         raise ConfigError(f"training.global_batch_size ({gb}) is smaller than training.local_batch_size ({lb})")
 
 
