@@ -108,7 +108,9 @@ def figures_of(entries: list[dict], folder: str, wall_s: float, skip: int = SKIP
     """Peak allocated and steady tokens/s per GPU by the launcher's one rule, and the profile if any."""
     f = launch.figures(entries, skip)
     res = {"peak_gib": f.get("mem"), "tokens_per_sec_per_gpu": f.get("tps_gpu"), "mfu_pct": f.get("mfu"),
-           "steady_log_steps": f.get("steps"), "wall_s": round(wall_s, 1)}
+           "steady_log_steps": f.get("steps"), "wall_s": round(wall_s, 1),
+           # the allocator's cache releases by the last step: a batch near the boundary runs "tight"
+           "alloc_retries": entries[-1].get("alloc_retries") if entries else None}
     traces = glob.glob(os.path.join(folder, "profile_traces", "step*-*", "rank0.json"))
     if traces:  # the window's folder is named step<first>-<last>
         first, last = os.path.basename(os.path.dirname(traces[0]))[4:].split("-")

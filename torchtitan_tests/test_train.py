@@ -44,6 +44,27 @@ def test_logged_figures_are_consistent(tmp_cache):
         assert e["tflops"] == pytest.approx(e["tokens_per_sec"] * t.flops_per_token / 1e12, rel=1e-9)
 
 
+def test_tight_memory_is_said_once_from_the_allocators_retries(tmp_cache, monkeypatch, caplog):
+    """alloc_retries (the CUDA allocator's cache releases, cumulative) goes into every log entry; a
+    rise after the first log step is warned about once, naming the count; the first step's own
+    retries (compilation, warm-up) only set the baseline."""
+    import titanlite.metrics.reporter as reporter
+
+    counts = iter([5, 5, 8, 12])
+    monkeypatch.setattr(reporter, "memory_stats", lambda device: {"memory_gb": 1.0, "memory_peak_gb": 1.0,
+                                                                   "memory_reserved_gb": 1.0,
+                                                                   "alloc_retries": next(counts)})
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "4", "--training.seq_len", "32",
+                       "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_cache),
+                       "--metrics.log_freq", "1", "--validation.enable=false", "--metrics.progress_bar=false"])
+    t = Trainer(cfg)
+    with caplog.at_level("WARNING", logger="titanlite"):
+        t.train()
+    assert [e["alloc_retries"] for e in t.run_log.data["training_iterations"]] == [5, 5, 8, 12]
+    warned = [r.getMessage() for r in caplog.records if "memory is tight" in r.getMessage()]
+    assert len(warned) == 1 and "released its cache 3 time(s) since the last log step" in warned[0]
+
+
 def test_accumulation_equals_larger_batch(tmp_cache):
     """local 2 x accumulation 2 gives the same update as local 4 x accumulation 1 (same samples)."""
     base = ["--training.dataset", "python_stdlib", "--training.steps", "3", "--training.seq_len", "32",

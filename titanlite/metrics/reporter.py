@@ -8,6 +8,7 @@ computed here, once, on log steps only (they are the only host syncs of the loop
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 
@@ -20,6 +21,8 @@ from titanlite.metrics.nvml import GpuMonitor
 from titanlite.metrics.run_log import RunLog, summarize
 from titanlite.metrics.tensorboard import TensorBoard
 from titanlite.models.args import FLOPS_CONVENTION, mfu_pct
+
+logger = logging.getLogger("titanlite")
 
 
 @dataclasses.dataclass
@@ -85,6 +88,8 @@ class Reporter:
         self.tensorboard = (TensorBoard(cfg.job.dump_folder, self.run_log.stamp)
                             if self.run_log and cfg.metrics.enable_tensorboard else None)
         self.gpu_monitor = GpuMonitor(facts.device)
+        self._retries_seen: int | None = None  # alloc_retries at the previous log step
+        self._warned_retries = False
 
     def info(self, line: str) -> None:
         self.console.info(line)
@@ -109,6 +114,7 @@ class Reporter:
             "tokens_seen": tokens_seen,
         }
         entry.update(memory_stats(f.device))
+        self._warn_on_cache_releases(entry.get("alloc_retries"))
         gpu = self.gpu_monitor.sample()  # NVML utilisation / power / SM clock, where present
         entry.update(gpu)
         local = rank_breakdown(self.rank, time_ms, timer.collect(), steps)
@@ -119,6 +125,20 @@ class Reporter:
         if self.tensorboard:
             self.tensorboard.log_step(entry)
         self.console.log_step(entry)
+
+    def _warn_on_cache_releases(self, retries: int | None) -> None:
+        """Once per run: the allocator began releasing its cache to make room (each release waits for
+        the GPU). The first log step's retries are compilation's and warm-up's, so they only set the
+        baseline."""
+        if retries is None or self._warned_retries:
+            return
+        if self._retries_seen is not None and retries > self._retries_seen:
+            logger.warning(f"memory is tight on rank {self.rank}: the CUDA caching allocator released its cache "
+                           f"{retries - self._retries_seen} time(s) since the last log step to make room, and each "
+                           f"release waits for the GPU; a smaller local batch (with more accumulation) or activation "
+                           f"checkpointing leaves room (alloc_retries in the run log)")
+            self._warned_retries = True
+        self._retries_seen = retries
 
     def log_validation(self, step: int, val_loss: float) -> None:
         self.console.info(f"step {step}: validation loss {val_loss:.4f}")
@@ -156,7 +176,9 @@ def memory_stats(device: torch.device) -> dict:
                 "memory_peak_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                 "memory_reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 3),
                 # what torchtitan's log line calls "memory" (max reserved by the caching allocator)
-                "memory_reserved_peak_gb": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
+                "memory_reserved_peak_gb": round(torch.cuda.max_memory_reserved(device) / 2**30, 3),
+                # times an allocation found no room, released the allocator's cache and retried (cumulative)
+                "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0)}
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
