@@ -260,8 +260,8 @@ class Trainer:
                     f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
                     if cfg.checkpoint.enable else "nothing saved (checkpoint.enable=false)"))
                 break
+        self.checkpointer.wait()  # under the handler: a signal now is noted and cannot cut the save short
         self.preemption.restore()
-        self.checkpointer.wait()
         self.profiler.close()
         return self.report.finish(st.step, val_loss)
 
@@ -275,10 +275,12 @@ class Trainer:
     def close(self):
         """Release what the run holds. The process group is left to the caller (`main`), which
         destroys it only once the Trainer and its DDP wrapper are gone."""
-        self.preemption.restore()
-        if self.cuda_graph is not None:
-            self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
-        self.checkpointer.close()  # waits for an async save in flight
+        try:
+            if self.cuda_graph is not None:
+                self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
+            self.checkpointer.close()  # waits for an async save in flight, still under the signal handler
+        finally:
+            self.preemption.restore()
         self.report.close()
 
 

@@ -440,3 +440,25 @@ def test_signal_after_a_peers_stop_still_saves_and_a_real_second_signal_aborts(m
             time.sleep(0.05)
     finally:
         p.restore()
+
+
+def test_a_signal_while_the_last_checkpoint_is_written_does_not_cut_it_short(tmp_path, monkeypatch):
+    """The handler stays in place until the last save is on disk: a SIGTERM that arrives while the
+    run waits for it (a peer had stopped the run, this rank's own signal comes late) is only noted.
+    With the default action back in place the process would die there, the save unfinished."""
+    import os
+    import signal
+
+    from titanlite.checkpoint.manager import Checkpointer
+
+    wait = Checkpointer.wait
+
+    def signalled_wait(self):
+        if sys._getframe(1).f_code.co_name == "train":  # the training loop's wait for its last save
+            os.kill(os.getpid(), signal.SIGTERM)
+        wait(self)
+
+    monkeypatch.setattr(Checkpointer, "wait", signalled_wait)
+    t = train(tmp_path)
+    assert t.preemption.received == "SIGTERM"
+    assert complete_steps(tmp_path / "checkpoint")[0] == STEPS
