@@ -3,9 +3,12 @@ checkpoint, retention, async saves, and the errors for bad requests. The multi-p
 ddp -> fsdp, SIGTERM) are in test_checkpoint_dist.py."""
 
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -417,10 +420,6 @@ def test_signal_after_a_peers_stop_still_saves_and_a_real_second_signal_aborts(m
     """A rank told of the stop by a peer's flag, then signalled itself (torchrun signals every rank):
     that is its first signal, so it finishes the step and saves. A second signal of its own, past the
     echo window, aborts."""
-    import os
-    import signal
-    import time
-
     from titanlite.checkpoint import preemption as pre
 
     clock = [1000.0]
@@ -446,9 +445,6 @@ def test_a_signal_while_the_last_checkpoint_is_written_does_not_cut_it_short(tmp
     """The handler stays in place until the last save is on disk: a SIGTERM that arrives while the
     run waits for it (a peer had stopped the run, this rank's own signal comes late) is only noted.
     With the default action back in place the process would die there, the save unfinished."""
-    import os
-    import signal
-
     from titanlite.checkpoint.manager import Checkpointer
 
     wait = Checkpointer.wait
