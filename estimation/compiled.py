@@ -108,6 +108,51 @@ def _hint(n) -> int:
 GLOBAL_REDUCTION = 1024  # a reduction to at most this many values (a float8 scale's amax) ends a pass
 
 
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    return sum(_hint(t.numel()) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+
+
+def _reads(node: fx.Node, mat: set[fx.Node]) -> list[fx.Node]:
+    """The materialised tensors a kernel reads: its inputs, looking through the inlined (fused) nodes
+    it recomputes to the materialised tensors they come from."""
+    out, seen, stack = [], set(), list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a in mat:
+            out.append(a)
+        else:
+            stack.extend(a.all_input_nodes)
+    return out
+
+
+def _ends_pass(node: fx.Node) -> bool:
+    return kind(node) == "extern" or (kind(node) == "reduction" and _nbytes(node) <= 4 * GLOBAL_REDUCTION)
+
+
+def _levels(graph: fx.Graph, mat: set[fx.Node]) -> tuple[dict[fx.Node, int], dict[fx.Node, list[fx.Node]]]:
+    """For each materialised node: the passes that must finish before its value exists (a library
+    call or a tensor-wide reduction it depends on ends one), and the materialised tensors it reads."""
+    level: dict[fx.Node, int] = {}
+    reads: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in mat:
+            continue
+        reads[node] = ins = _reads(node, mat)
+        level[node] = max((level.get(a, 0) + (1 if a.op == "call_function" and _ends_pass(a) else 0) for a in ins),
+                          default=0)
+    return level, reads
+
+
+def _is_kernel(node: fx.Node) -> bool:
+    """A generated kernel's output (not a library call's, a view's or a part of a multi-output op)."""
+    return kind(node) != "extern" and not getattr(node.target, "is_view", False) and node.target is not operator.getitem
+
+
 def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
     """The generated kernels of one graph: each materialised element-wise or reduction node is one
     kernel that writes its output and reads the materialised tensors its inlined cone reaches.
@@ -118,48 +163,237 @@ def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
     the other (a float8 cast after its amax): each such wait starts a new pass, which reads again.
     """
     cost = GraphCost()
-    level: dict[fx.Node, int] = {}  # passes that must finish before this node's value exists
-    reads: set[tuple[fx.Node, int]] = set()
-
-    def leaves(node, seen):
-        for a in node.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
-            if a in mat:
-                yield a
-            else:
-                yield from leaves(a, seen)
-
-    def nbytes(node):
-        v = node.meta.get("val")
-        vals = v if isinstance(v, (list, tuple)) else [v]
-        return sum(_hint(t.numel()) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
-
-    def ends_pass(node):
-        return kind(node) == "extern" or (kind(node) == "reduction" and nbytes(node) <= 4 * GLOBAL_REDUCTION)
-
-    for node in graph.nodes:
-        if node.op != "call_function" or node not in mat:
-            continue
-        ins = list(leaves(node, set()))
-        level[node] = max((level.get(a, 0) + (1 if a.op == "call_function" and ends_pass(a) else 0) for a in ins),
-                          default=0)
+    level, reads = _levels(graph, mat)
+    passes: set[tuple[fx.Node, int]] = set()
+    for node, ins in reads.items():
         if kind(node) == "extern" or getattr(node.target, "is_view", False):
             continue
         cost.kernels += 1
-        cost.kernel_bytes += nbytes(node)
-        reads.update((a, level[node]) for a in ins)
-    cost.kernel_bytes += sum(nbytes(a) for a, _ in reads)
+        cost.kernel_bytes += _nbytes(node)
+        passes.update((a, level[node]) for a in ins)
+    cost.kernel_bytes += sum(_nbytes(a) for a, _ in passes)
     return cost
 
 
-class _Runner(fx.Interpreter):
-    """Runs a partitioned graph on fake tensors, letting the tracker count only materialised outputs."""
+# ------------------------------------------------------------------------------- memory plan
+# Inductor's scheduler refuses a horizontal fusion when the buffers it would stop from being reused
+# outweigh this many times the bytes the two kernels share (Scheduler.can_fusion_increase_peak_memory),
+# and fuses only kernels at most this many kernels apart (Scheduler.are_long_distant_nodes).
+FUSION_MEMORY_FACTOR, FUSION_DISTANCE = 32, 64
+# Library calls Inductor runs with an output buffer it allocates itself (extern_kernels.mm(..., out=)):
+# like a generated kernel's, that buffer can be a reused one.
+_OUT_EXTERNS = ("mm", "addmm", "bmm", "baddbmm")
+# Ops that read an element at another index than the one written (a kernel through them cannot
+# write its output over that input in place).
+_MOVES = ("cat", "split", "split_with_sizes", "slice", "select", "permute", "transpose", "t", "expand",
+          "gather", "index", "repeat", "constant_pad_nd", "as_strided", "unbind")
 
-    def __init__(self, gm: fx.GraphModule, mat: set[fx.Node], cost: GraphCost):
+
+def _same_index(kernel: fx.Node, buffer: fx.Node, mat: set[fx.Node]) -> bool:
+    """Does `kernel` read `buffer` only at the index it writes (so it may write over it in place)?"""
+    stack, seen = [kernel], set()
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            if a is buffer:
+                if n is not kernel and _name(n) in _MOVES:
+                    return False
+            elif a not in mat:
+                if _name(a) in _MOVES and buffer in _ancestors(a, mat):
+                    return False
+                stack.append(a)
+    return True
+
+
+def _ancestors(node: fx.Node, mat: set[fx.Node]) -> set[fx.Node]:
+    out, stack = set(), list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a not in out:
+            out.add(a)
+            if a not in mat:
+                stack.extend(a.all_input_nodes)
+    return out
+
+
+@dataclass
+class MemoryPlan:
+    """How Inductor's generated wrapper holds a graph's buffers, as a schedule for the fake run:
+
+    - `order`: nodes in the order the kernels run; kernels that Inductor fuses horizontally (several
+      outputs of one loop, e.g. SwiGLU's recomputed product and its two gradients) run together, so
+      their outputs exist at once;
+    - a buffer lives until the last kernel that reads it, also where that kernel recomputes an inlined
+      expression from it (`release_after`), not only until its last direct user;
+    - a kernel's output takes over a dead buffer of the same dtype and size (`takes_over`): one that
+      dies at that kernel (in place) or one freed earlier and kept for reuse, which Inductor then
+      holds from its last use until the reuse (`codegen.wrapper`'s reuse pool).
+    """
+    order: list[fx.Node]
+    roots: set[fx.Node]                            # nodes whose value is a buffer of its own
+    release_after: dict[fx.Node, list[fx.Node]]    # node -> buffers whose last reader it ends
+    takes_over: dict[fx.Node, fx.Node]             # allocating node -> the dead buffer it reuses
+
+
+def _root(node: fx.Node, mat: set[fx.Node]) -> fx.Node:
+    """The materialised node whose buffer a materialised view shares."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args and \
+            isinstance(node.args[0], fx.Node) and node.args[0] in mat:
+        node = node.args[0]
+    return node
+
+
+def _reuse_key(node: fx.Node):
+    """Buffers Inductor may reuse for one another: same dtype, same size."""
+    v = node.meta.get("val")
+    return (v.dtype, _nbytes(node)) if isinstance(v, torch.Tensor) else None
+
+
+def _fusion_groups(kernels: list[fx.Node], level, reads, mat) -> list[list[fx.Node]]:
+    """Kernels Inductor fuses into one: same pass, within FUSION_DISTANCE, and sharing a tensor they
+    read (or one reads the other) without the fusion costing more reusable memory than it saves."""
+    readers: dict[fx.Node, int] = {}
+    for k in kernels:
+        for r in {_root(a, mat) for a in reads[k]}:
+            readers[r] = readers.get(r, 0) + 1
+    parent = {k: k for k in kernels}
+
+    def find(k):
+        while parent[k] is not k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    roots = {k: {_root(a, mat) for a in reads[k]} for k in kernels}
+    # inputs only this kernel reads: buffers it could hand over to a later output if not fused
+    single = {k: {_reuse_key(r) for r in roots[k] if readers[r] == 1 and r.op == "call_function"} for k in kernels}
+    for i, a in enumerate(kernels):
+        for b in kernels[i + 1:i + 1 + FUSION_DISTANCE]:
+            if level[a] != level[b] or find(a) is find(b):
+                continue
+            shared = sum(_nbytes(r) for r in roots[a] & roots[b]) + (_nbytes(a) if a in roots[b] else 0)
+            if not shared:
+                continue
+            overhead = sum(k[1] for k in single[a] & single[b] if k)
+            if overhead > FUSION_MEMORY_FACTOR * shared and a not in roots[b]:
+                continue
+            parent[find(b)] = find(a)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for k in kernels:
+        groups.setdefault(find(k), []).append(k)
+    return list(groups.values())
+
+
+def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
+    """Reorder `graph` so that fused kernels run together, and return how its buffers live (MemoryPlan)."""
+    level, reads = _levels(graph, mat)
+    kernels = [n for n in reads if _is_kernel(n)]
+    original = list(graph.nodes)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for group in _fusion_groups(kernels, level, reads, mat):
+        if len(group) > 1:
+            members[group[0]] = group
+    # run each group's members right after its first one, with the inlined nodes they recompute
+    group_end: dict[fx.Node, fx.Node] = {}
+    for first, group in members.items():
+        cursor, placed = first, [first]
+        for m in group[1:]:
+            pos = {n: i for i, n in enumerate(graph.nodes)}  # as moved so far
+            anc, stack = set(), [m]
+            while stack:
+                x = stack.pop()
+                if x in anc or pos[x] <= pos[cursor]:
+                    continue
+                anc.add(x)
+                stack.extend(x.all_input_nodes)
+            if any(x in mat and x is not m for x in anc):
+                continue  # it waits for another kernel: Inductor could not fuse it here either
+            for x in sorted(anc, key=pos.__getitem__):
+                cursor.append(x)
+                cursor = x
+            placed.append(m)
+        for m in placed:
+            group_end[m] = placed[-1]
+    try:
+        graph.lint()
+    except RuntimeError:  # a move this function got wrong: keep Inductor's graph order instead
+        prev = original[0]
+        for n in original[1:]:
+            prev.append(n)
+            prev = n
+        group_end = {}
+    order = list(graph.nodes)
+    at = {n: i for i, n in enumerate(order)}
+    out_node = next(n for n in order if n.op == "output")
+    outputs = {_root(a, mat) for a in out_node.all_input_nodes}
+
+    def is_buffer(n):
+        return n in mat and _root(n, mat) is n and isinstance(n.meta.get("val"), torch.Tensor)
+
+    roots = {n for n in order if (n.op == "placeholder" or n.op == "call_function") and is_buffer(n)}
+    last: dict[fx.Node, fx.Node] = {}
+    readers: dict[fx.Node, int] = {}
+    for k, ins in reads.items():
+        for r in {_root(a, mat) for a in ins}:
+            readers[r] = readers.get(r, 0) + 1
+    for k, ins in reads.items():
+        end = group_end.get(k, k)
+        for r in {_root(a, mat) for a in ins}:
+            if r in roots and (r not in last or at[end] > at[last[r]]):
+                last[r] = end
+    dying: dict[fx.Node, list[fx.Node]] = {}
+    for r, end in last.items():
+        if r not in outputs:
+            dying.setdefault(end, []).append(r)
+
+    def allocates(n):
+        return n in roots and (_is_kernel(n) or _name(n) in _OUT_EXTERNS)
+
+    pool: dict[tuple, list[fx.Node]] = {}
+    takes_over: dict[fx.Node, fx.Node] = {}
+    release_after: dict[fx.Node, list[fx.Node]] = {}
+    taken: set[fx.Node] = set()
+    pooled: dict[fx.Node, fx.Node] = {}  # buffer -> where it died (freed there unless reused later)
+    for n in order:
+        end = group_end.get(n, n)
+        if allocates(n):
+            # in place: an input only this kernel reads, at the index it writes (Inductor's
+            # SchedulerNode.decide_inplace_update), dying here
+            here = [r for r in dying.get(end, ()) if r.op == "call_function" and r not in taken and readers[r] == 1
+                    and _reuse_key(r) == _reuse_key(n) and r in {_root(a, mat) for a in reads[n]} and _same_index(n, r, mat)]
+            if here:
+                takes_over[n] = here[0]
+                taken.add(here[0])
+            elif pool.get(_reuse_key(n)):
+                r = pool[_reuse_key(n)].pop()
+                takes_over[n] = r
+                taken.add(r)
+                del pooled[r]
+        if end is n:  # the group (or the node) is done: what dies here is freed or kept for reuse
+            for r in dying.get(n, ()):
+                if r in taken:
+                    continue
+                if r.op == "call_function":
+                    pool.setdefault(_reuse_key(r), []).append(r)
+                    pooled[r] = n
+                else:
+                    release_after.setdefault(n, []).append(r)
+    for r, died in pooled.items():  # never reused: freed where it died
+        release_after.setdefault(died, []).append(r)
+    return MemoryPlan(order, roots, release_after, takes_over)
+
+
+class _Runner(fx.Interpreter):
+    """Runs a partitioned graph on fake tensors, letting the tracker count only materialised outputs,
+    and holding each buffer as Inductor's wrapper would (MemoryPlan)."""
+
+    def __init__(self, gm: fx.GraphModule, mat: set[fx.Node], plan: MemoryPlan):
         super().__init__(gm)
-        self.mat, self.cost = mat, cost
+        self.mat, self.plan = mat, plan
+        self.held: dict[fx.Node, object] = {}
 
     def call_function(self, target, args, kwargs):
         # Recomputation under activation checkpointing replays random ops with the state saved in
@@ -173,10 +407,21 @@ class _Runner(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         tracker = _active_tracker()
+        old = self.plan.takes_over.get(n)
+        if old is not None and old in self.held:
+            value = self.held.pop(old)
+            if tracker is not None:
+                tracker.hand_over(value)
         if tracker is None or n.op != "call_function":
-            return super().run_node(n)
-        with tracker.compiled_node(counted=n in self.mat, extern=kind(n) == "extern"):
-            return super().run_node(n)
+            out = super().run_node(n)
+        else:
+            with tracker.compiled_node(counted=n in self.mat, extern=kind(n) == "extern"):
+                out = super().run_node(n)
+        if n in self.plan.roots:
+            self.held[n] = out
+        for r in self.plan.release_after.get(n, ()):
+            self.held.pop(r, None)
+        return out
 
 
 def _active_tracker():
@@ -191,12 +436,18 @@ def _eager_inner(gm: fx.GraphModule, example_inputs, **kwargs):
     """Inductor's inner compile, minus code generation: the graph itself, run node by node."""
     mat = materialized(gm.graph)
     cost = _fused_kernels(gm.graph, mat)
+    plan = memory_plan(gm.graph, mat)
+    gm.recompile()
 
     def run(args):
         tracker = _active_tracker()
         if tracker is not None:
             tracker.add_kernels(cost)
-        return _Runner(gm, mat, cost).boxed_run(args)
+        runner = _Runner(gm, mat, plan)
+        try:
+            return runner.boxed_run(args)
+        finally:
+            runner.held.clear()
 
     run._boxed_call = True
     return run

@@ -116,6 +116,7 @@ class StepTracker(TorchDispatchMode):
         self._orig_meta_prop = None
         self._meta_prop_depth = 0  # > 0: inside DTensor's sharding propagation, not part of the step
         self._node: tuple[bool, bool] | None = None  # inside a compiled graph: (materialised, library call)
+        self._handed: list[tuple[int, _Block]] = []  # buffers the next compiled kernel's output reuses
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -127,6 +128,8 @@ class StepTracker(TorchDispatchMode):
     def _add(self, st, category: str) -> _Block:
         key = id(st)
         block = self.blocks.get(key)
+        if block is None and self._handed:
+            block = self._take_handed(st, category)
         if block is None:
             block = _Block(_aligned(st.nbytes()), category, self.phase)
             self.blocks[key] = block
@@ -134,6 +137,18 @@ class StepTracker(TorchDispatchMode):
             weakref.finalize(st, self._free, key, block)
             self._update_peak()
         return block
+
+    def _take_handed(self, st, category: str) -> _Block | None:
+        """A new storage of a handed-over buffer's size takes that buffer's block: no new memory."""
+        size = _aligned(st.nbytes())
+        for i, (old, block) in enumerate(self._handed):
+            if block.nbytes == size and self.blocks.get(old) is block:
+                del self._handed[i], self.blocks[old]
+                block.category, block.phase = category, self.phase
+                self.blocks[id(st)] = block
+                weakref.finalize(st, self._free, id(st), block)
+                return block
+        return None
 
     def _free(self, key: int, block: _Block) -> None:
         if self.blocks.get(key) is block:
@@ -223,6 +238,15 @@ class StepTracker(TorchDispatchMode):
             yield
         finally:
             self._node = None
+            self._handed.clear()
+
+    def hand_over(self, t) -> None:
+        """The next compiled node's output reuses this tensor's buffer (Inductor writes a kernel's
+        output into a dead buffer of the same size): it takes the memory without adding to it."""
+        for st in storages(t):
+            block = self.blocks.get(id(st))
+            if block is not None:
+                self._handed.append((id(st), block))
 
     def add_kernels(self, cost) -> None:
         """A compiled graph's generated kernels: their bytes and launches, once per run of the graph."""
