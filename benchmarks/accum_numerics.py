@@ -2,14 +2,17 @@
 real text with gradient accumulation or ddp: three seeds of each, the same seeds on both sides.
 
   python benchmarks/accum_numerics.py [--ngpus 1] [--accum 8] [--steps 500] [--seeds 1,2,3]
-  python benchmarks/accum_numerics.py --ngpus 2 --accum 1        # ddp, gradients all-reduced each step
+  python benchmarks/accum_numerics.py --ngpus 2 --accum 1 --local 8    # ddp, gradients all-reduced each step
 
-The text is torchtitan's c4_test asset prepared as loss_parity.py prepares it (carry .bench). The
-model is LLaMA 134M (vocabulary 32000), local batch 4 x seq 512, compile, lr 6e-4 with 50 warm-up
-steps; the data order follows the seed. "Final loss" is the mean training loss over the last 20
-steps. The default passes where each of its seeds' final losses lies within the spread (lowest to
-highest) of the autocast seeds' final losses, widened by nothing. All runs of one GPU count share the
-GPU(s) and run at once (a 134M model leaves most of an H100 idle), so timings mean nothing here.
+The text is torchtitan's c4_test asset prepared as loss_parity.py prepares it (carry .bench), every
+20th document held out. The model is LLaMA 134M (vocabulary 32000), local batch --local x seq 512,
+compile, lr 6e-4 with 50 warm-up steps; init and data order follow the seed. With the defaults (local
+1, accumulation 8: 4,096 tokens a step) 500 steps pass over the training text about once, so the runs
+learn the language rather than memorise the text. "Final loss" is the loss on the whole held-out
+split after the last step: the same tokens for every run, no batch-to-batch noise. The default passes
+where each of its seeds' final losses lies within the spread (lowest to highest) of the autocast
+seeds'. The table also gives the mean training loss of the last 20 steps. All runs of one GPU count
+share the GPU(s) and run at once (a 134M model leaves most of an H100 idle), so timings mean nothing.
 Writes accum_numerics.md and accum_numerics.json to --out.
 """
 
@@ -25,47 +28,64 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 import loss_parity  # noqa: E402  (the c4_test preparation)
 
-FINAL = 20  # "final loss": mean over the last this-many steps
+LAST = 20  # training loss: mean over the last this-many steps
+VAL_EVERY = 20  # every this-many-th document is held out
 PATHS = {"default (bf16 copies, fp32 grads)": [], "autocast": ["--training.bf16_params=false"]}
+SEQ = 512
 
 
-LOCAL, SEQ = 4, 512
-
-
-def options(prepared: Path, flavor: str, accum: int, ngpus: int, seed: int, warmup: int) -> list[str]:
-    local, seq = LOCAL, SEQ
+def options(prepared: Path, flavor: str, local: int, accum: int, ngpus: int, seed: int, warmup: int,
+            steps: int) -> list[str]:
+    seq = SEQ
     return ["--model.name", "llama", "--model.flavor", flavor, "--model.vocab_size", "32000",
             "--training.dataset", "prepared", "--training.dataset_path", str(prepared),
             "--training.local_batch_size", str(local), "--training.global_batch_size", str(local * accum * ngpus),
             "--training.seq_len", str(seq), "--training.seed", str(seed), "--optimizer.lr", "6e-4",
             "--lr_scheduler.warmup_steps", str(warmup), "--compile.enable", "--parallelism.data_parallel",
-            "ddp" if ngpus > 1 else "fsdp", "--validation.enable=false", "--checkpoint.enable=false",
-            "--metrics.progress_bar=false"]
+            "ddp" if ngpus > 1 else "fsdp", "--validation.freq", str(steps), "--validation.steps", "1000000",
+            "--checkpoint.enable=false", "--metrics.progress_bar=false"]
 
 
-def final_loss(entries: list[dict]) -> float | None:
-    losses = launch.step_losses(entries)
-    last = sorted(losses)[-FINAL:]
+def final_loss(r: launch.Result, steps: int) -> float | None:
+    """The held-out loss after the last step."""
+    return next((v["val_loss"] for v in r.validation if v.get("iter") == steps), None)
+
+
+def last_train_loss(r: launch.Result) -> float | None:
+    losses = launch.step_losses(r.entries)
+    last = sorted(losses)[-LAST:]
     return sum(losses[s] for s in last) / len(last) if last else None
 
 
-def report(finals: dict[str, dict[int, float | None]], errors: dict[str, str | None], head: str) -> str:
-    seeds = sorted({s for f in finals.values() for s in f})
-    lines = [head, "", "| path | " + " | ".join(f"seed {s}" for s in seeds) + " | spread | note |",
+def _table(finals: dict[str, dict[int, float | None]], seeds: list[int], errors: dict[str, str | None]) -> list[str]:
+    lines = ["| path | " + " | ".join(f"seed {s}" for s in seeds) + " | spread | note |",
              "|---|" + "---|" * (len(seeds) + 2)]
     for name, f in finals.items():
         vals = [v for v in f.values() if v is not None]
         spread = f"{min(vals):.4f} - {max(vals):.4f}" if vals else "-"
         cells = [f"{f[s]:.4f}" if f.get(s) is not None else "-" for s in seeds]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {spread} | {errors.get(name) or ''} |")
-    (d, dv), (_, av) = ((k, [v for v in f.values() if v is not None]) for k, f in finals.items())
+    return lines
+
+
+def report(finals: dict[str, dict[int, float | None]], trains: dict[str, dict[int, float | None]],
+           errors: dict[str, str | None], head: str) -> str:
+    """The held-out table with its verdict, then the training-loss table."""
+    seeds = sorted({s for f in finals.values() for s in f})
+    lines = [head, "", "Final loss (held-out split, after the last step):", "", *_table(finals, seeds, errors)]
+    (d, dv), (a, av) = ((k, [v for v in f.values() if v is not None]) for k, f in finals.items())
     if dv and av and len(dv) == len(seeds) and len(av) == len(seeds):
         inside = all(min(av) <= v <= max(av) for v in dv)
+        below = sum(v < min(av) for v in dv)
         mean_d, mean_a = sum(dv) / len(dv), sum(av) / len(av)
-        lines += ["", f"default inside autocast's spread: {'yes' if inside else 'NO'}; means {mean_d:.4f} "
-                      f"(default) vs {mean_a:.4f} (autocast), {100 * (mean_d / mean_a - 1):+.3f}%"]
+        pairs = ", ".join(f"{finals[d][s] - finals[a][s]:+.4f}" for s in seeds)
+        lines += ["", f"default inside autocast's spread: {'yes' if inside else 'NO'}"
+                      f"{f' ({below} of {len(dv)} below it)' if below else ''}; above autocast's highest: "
+                      f"{'NO' if max(dv) <= max(av) else 'YES'}; means {mean_d:.4f} (default) vs {mean_a:.4f} "
+                      f"(autocast), {100 * (mean_d / mean_a - 1):+.3f}%; per seed, default - autocast: {pairs}"]
     else:
         lines += ["", "default inside autocast's spread: not decided (a run failed)"]
+    lines += ["", f"Training loss, mean of the last {LAST} steps:", "", *_table(trains, seeds, {})]
     return "\n".join(lines)
 
 
@@ -73,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = launch.Parser(__doc__)
     ap.add_argument("--ngpus", type=int, default=1, help="1: gradient accumulation on one GPU; 2+: ddp over them")
     ap.add_argument("--accum", type=int, default=8, help="micro-steps per optimizer step")
+    ap.add_argument("--local", type=int, default=1, help="sequences per micro-step and GPU")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--flavor", default="134M", help="LLaMA flavor (debug: a quick functional check on CPU)")
@@ -85,39 +106,41 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds takes integers separated by commas, not {a.seeds!r}")
-    if a.steps <= FINAL or a.accum < 1 or a.ngpus < 1 or not 0 <= a.warmup < a.steps:
-        ap.error(f"need --steps > {FINAL}, --accum >= 1, --ngpus >= 1 and 0 <= --warmup < --steps")
+    if a.steps <= LAST or a.accum < 1 or a.local < 1 or a.ngpus < 1 or not 0 <= a.warmup < a.steps:
+        ap.error(f"need --steps > {LAST}, --accum >= 1, --local >= 1, --ngpus >= 1 and 0 <= --warmup < --steps")
     if not (loss_parity.ASSETS / "c4_test" / "data.json").exists():
         sys.exit("accum_numerics: torchtitan's c4_test asset is not here: carry .bench (cp -r ../shared/bench .bench)")
     work = launch.WORK / "accum_numerics"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    prepared, _ = loss_parity.prepare(work)
+    prepared, _ = loss_parity.prepare(work, val_every=VAL_EVERY)
 
     jobs = [(path, seed) for path in PATHS for seed in seeds]
 
     def one(job):
         path, seed = job
         name = f"numerics_{'default' if not PATHS[path] else 'autocast'}_seed{seed}"
-        base = options(prepared, a.flavor, a.accum, a.ngpus, seed, a.warmup)
+        base = options(prepared, a.flavor, a.local, a.accum, a.ngpus, seed, a.warmup, a.steps)
         return job, launch.titanlite(name, PATHS[path], a.ngpus, a.steps, 10, a.timeout, work=work, base=base)
 
     at_once = a.parallel or (len(jobs) if a.ngpus == 1 else 2)
     with ThreadPoolExecutor(at_once) as pool:
         done = list(pool.map(one, jobs))
     finals = {p: {} for p in PATHS}
+    trains = {p: {} for p in PATHS}
     errors: dict[str, str | None] = {}
     for (path, seed), r in done:
-        finals[path][seed] = final_loss(r.entries) if r.error is None else None
+        finals[path][seed] = final_loss(r, a.steps) if r.error is None else None
+        trains[path][seed] = last_train_loss(r) if r.error is None else None
         if r.error:
             errors[path] = f"seed {seed}: {r.error}"
     mode = f"ddp over {a.ngpus} GPUs" if a.ngpus > 1 else "1 GPU"
-    head = (f"LLaMA {a.flavor}, c4_test, local batch {LOCAL} x seq {SEQ}, accumulation {a.accum}, {mode}, {a.steps} steps; "
-            f"final loss = mean of the last {FINAL} steps")
-    text = report(finals, errors, head)
+    head = (f"LLaMA {a.flavor}, c4_test (every {VAL_EVERY}th document held out), local batch {a.local} x seq {SEQ}, "
+            f"accumulation {a.accum}, {mode}, {a.steps} steps")
+    text = report(finals, trains, errors, head)
     print("\n" + text)
     launch.save(Path(a.out), "accum_numerics", text, [r for _, r in done],
-                {"finals": {p: f for p, f in finals.items()}, "argv": sys.argv[1:] if argv is None else argv})
+                {"finals": finals, "train_last": trains, "argv": sys.argv[1:] if argv is None else argv})
 
 
 if __name__ == "__main__":

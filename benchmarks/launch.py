@@ -75,6 +75,7 @@ class Result:
     error: str | None = None  # the line that says why it failed
     entries: list[dict] = field(default_factory=list)  # training_iterations, or the peer's parsed step lines
     startup: dict = field(default_factory=dict)  # titanlite's startup_info
+    validation: list[dict] = field(default_factory=list)  # titanlite's validation losses ({"iter", "val_loss"})
     output: str = ""  # the whole output (kept in WORK/<name>.log; only its tail goes into results files)
 
     def figures(self, skip: int) -> dict:
@@ -207,6 +208,7 @@ def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_f
     if logs:
         data = json.loads(logs[-1].read_text())
         res.entries, res.startup = data.get("training_iterations", []), data.get("startup_info", {})
+        res.validation = data.get("validation", [])
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {res.error or 'ok'} in {wall:.0f}s", flush=True)
     return res
 

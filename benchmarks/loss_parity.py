@@ -84,20 +84,21 @@ def write_documents(src: Path, dest: Path, bos: str) -> int:
     return n
 
 
-def prepare(work: Path, assets: Path = ASSETS) -> tuple[Path, dict]:
-    """The prepared folder of c4_test for titanlite, and its metadata."""
+def prepare(work: Path, assets: Path = ASSETS, val_every: int = 0) -> tuple[Path, dict]:
+    """The prepared folder of c4_test for titanlite, and its metadata; every `val_every`-th document
+    goes to the validation split (0: none, all text trains)."""
     tok = work / "tokenizer.json"
     bos, eos = peer_tokenizer(assets / "tokenizer", tok)
     docs = write_documents(assets / "c4_test" / "data.json", work / "c4_test.jsonl", bos)
     folder = work / "prepared"
     cmd = [sys.executable, "-m", "titanlite.data.prepare", "--input", str(work / "c4_test.jsonl"), "--output",
-           str(folder), "--tokenizer", str(tok), "--eos-token", eos, "--val-every", "0", "--workers", "2", "--overwrite"]
+           str(folder), "--tokenizer", str(tok), "--eos-token", eos, "--val-every", str(val_every), "--workers", "2", "--overwrite"]
     rc, text, _ = launch.execute("prepare_c4_test", cmd, 300, work)
     if rc != 0:
         sys.exit(f"loss_parity: prepare failed: {launch.error_line(text, rc, 300)}")
     meta = json.loads((folder / "meta.json").read_text())
-    print(f"prepared {docs} documents, {meta['splits']['train']['tokens']:,} tokens, vocabulary {meta['vocab_size']}",
-          flush=True)
+    print(f"prepared {docs} documents, {meta['splits']['train']['tokens']:,} train / {meta['splits']['val']['tokens']:,} "
+          f"validation tokens, vocabulary {meta['vocab_size']}", flush=True)
     return folder, meta
 
 

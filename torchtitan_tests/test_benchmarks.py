@@ -290,18 +290,30 @@ def test_accum_numerics_decides_inside_the_spread_per_seed():
     import accum_numerics
 
     default, autocast = list(accum_numerics.PATHS)
-    inside = accum_numerics.report({default: {1: 1.24, 2: 1.25}, autocast: {1: 1.23, 2: 1.26}}, {}, "h")
-    assert "spread: yes" in inside and "1.2300 - 1.2600" in inside
-    outside = accum_numerics.report({default: {1: 1.24, 2: 1.27}, autocast: {1: 1.23, 2: 1.26}}, {}, "h")
-    assert "spread: NO" in outside
-    failed = accum_numerics.report({default: {1: 1.24, 2: None}, autocast: {1: 1.23, 2: 1.26}},
+    train = {default: {1: 2.5, 2: 2.6}, autocast: {1: 9.1, 2: 9.2}}  # shown, never decides
+    inside = accum_numerics.report({default: {1: 1.24, 2: 1.25}, autocast: {1: 1.23, 2: 1.26}}, train, {}, "h")
+    assert "spread: yes" in inside and "1.2300 - 1.2600" in inside and "9.1000 - 9.2000" in inside
+    outside = accum_numerics.report({default: {1: 1.24, 2: 1.27}, autocast: {1: 1.23, 2: 1.26}}, train, {}, "h")
+    assert "spread: NO;" in outside and "above autocast's highest: YES" in outside and "+0.0100, +0.0100" in outside
+    below = accum_numerics.report({default: {1: 1.22, 2: 1.24}, autocast: {1: 1.23, 2: 1.26}}, train, {}, "h")
+    assert "spread: NO (1 of 2 below it)" in below and "above autocast's highest: NO" in below
+    failed = accum_numerics.report({default: {1: 1.24, 2: None}, autocast: {1: 1.23, 2: 1.26}}, train,
                                    {default: "seed 2: exit 1"}, "h")
     assert "not decided" in failed and "seed 2: exit 1" in failed
 
 
+def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
+    import accum_numerics
+    import launch
+
+    r = launch.Result("r", 1, [], validation=[{"iter": 250, "val_loss": 3.0}, {"iter": 500, "val_loss": 2.5}])
+    assert accum_numerics.final_loss(r, 500) == 2.5 and accum_numerics.final_loss(r, 400) is None
+
+
 @pytest.mark.parametrize("script, argv", [("presets.py", ["--only", "no such row"]),
                                           ("accum_numerics.py", ["--seeds", "1,x"]),
-                                          ("accum_numerics.py", ["--steps", "5"])])
+                                          ("accum_numerics.py", ["--steps", "5"]),
+                                          ("accum_numerics.py", ["--local", "0"])])
 def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
