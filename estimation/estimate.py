@@ -99,6 +99,12 @@ class _Fits:
         """Fits, but only by using the allocator's headroom."""
         return self.comfortable < peak <= self.budget
 
+    def clear(self, peak: int) -> bool:
+        """Fits without using the allocator's headroom: what the batch search answers. At the edge of
+        the GPU a tight batch runs in one process and runs out of memory in the next (1 x H100, LLaMA
+        1.36B, local 22, 78.28 GiB allocated: once each)."""
+        return peak <= self.comfortable
+
 
 def activation_floor(args, seq_len: int) -> int:
     """Bytes per sequence that every configuration keeps through the forward: each block's input,
@@ -140,19 +146,22 @@ def estimate(cfg, progress=_progress) -> dict:
         try:
             def peak_of(b: int) -> int:
                 results[b] = r = run.step(b, micro_steps)
-                verdict = "fits" if fits(r.peak_bytes) else "does not fit"
+                verdict = "tight" if fits.tight(r.peak_bytes) else "fits" if fits(r.peak_bytes) else "does not fit"
                 progress(f"local batch {b}: peak {r.peak_bytes / GIB:.2f} GiB ({verdict}) "
                          f"[{time.perf_counter() - t0:.0f}s]")
                 return r.peak_bytes
 
             if est.search:
                 # a configured batch beyond the bound is not probed: start from the bottom instead
-                largest = largest_batch(peak_of, fits, local if local <= limit else 1, limit)
+                largest = largest_batch(peak_of, _Fits(usable, fits.fragmentation, keep_headroom=True),
+                                        local if local <= limit else 1, limit)
+                if largest < limit and (largest + 1) not in results:
+                    peak_of(largest + 1)  # the batch above: tight, or out of memory
             elif fits(peak_of(local)):
                 largest = local
         finally:
             run.close()
-    if est.search and largest == 0:
+    if est.search and largest == 0 and not any(fits(r.peak_bytes) for r in results.values()):
         r1 = results.get(1)
         need = f"peak {r1.peak_bytes / GIB:.1f} GiB" if r1 else f"its blocks' inputs alone {floor / GIB:.1f} GiB"
         raise ConfigError(
@@ -218,10 +227,12 @@ def _memory(res: StepResult | None, hw, usable: float, fits, floor_bytes: int) -
 
 def _search(results: dict, largest: int, cfg, world: int, fits) -> dict:
     gb = cfg.training.global_batch_size
+    above = results.get(largest + 1)
     out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3)
            if largest else None,
-           "probes": [{"local_batch": b, "peak_gib": round(r.peak_bytes / GIB, 3), "fits": fits(r.peak_bytes)}
-                      for b, r in sorted(results.items())]}
+           "tight_local_batch": largest + 1 if above is not None and fits.tight(above.peak_bytes) else None,
+           "probes": [{"local_batch": b, "peak_gib": round(r.peak_bytes / GIB, 3), "fits": fits.clear(r.peak_bytes),
+                       "tight": fits.tight(r.peak_bytes)} for b, r in sorted(results.items())]}
     if gb == -1:
         out["global_batch_size"] = "local x ranks (no accumulation)"
         out["gradient_accumulation_steps"] = 1
@@ -255,13 +266,22 @@ def format_report(r: dict) -> str:
         lines.append(f"  {'peak':<24} {m['peak_gib']:>8.2f}   = {m['share_of_gpu_pct']}% of {m['gpu_memory_gib']} GiB "
                      f"({'fits' if m['fits'] else 'DOES NOT FIT'} in {m['usable_gib']} GiB usable"
                      + (f"; tight: inside the allocator's {m['allocator_headroom']:.0%} headroom, its cache is "
-                        f"released and refilled during the step, which can slow it)" if m.get("tight") else
+                        f"released and refilled during the step, which slows it, and it can run out of memory)"
+                        if m.get("tight") else
                         f", with the allocator's {m['allocator_headroom']:.0%} headroom)"))
     s = r.get("batch_search")
     if s:
-        lines.append(f"largest local batch that fits: {s['largest_local_batch']} "
-                     f"(peak {s['peak_gib_at_largest']:.2f} GiB; probes: "
-                     + ", ".join(f"{p['local_batch']}{'' if p['fits'] else '!'}" for p in s["probes"]) + ")")
+        probes = ", ".join(f"{p['local_batch']}{'' if p['fits'] else '~' if p.get('tight') else '!'}"
+                           for p in s["probes"])
+        head = (f"largest local batch that fits: {s['largest_local_batch']} (peak {s['peak_gib_at_largest']:.2f} GiB"
+                if s["largest_local_batch"] else "largest local batch that fits: none clear of the allocator's "
+                                                 "headroom (")
+        lines.append(f"{head}; probes: {probes}; ~ tight, ! does not fit)")
+        if s.get("tight_local_batch"):
+            t_peak = next(p["peak_gib"] for p in s["probes"] if p["local_batch"] == s["tight_local_batch"])
+            lines.append(f"local batch {s['tight_local_batch']} is tight ({t_peak:.2f} GiB, inside the allocator's "
+                         f"{m['allocator_headroom']:.0%} headroom): it may run, slowed by cache releases, or run out "
+                         f"of memory")
         if s.get("local_batch_for_global"):
             lines.append(f"global batch {s['global_batch_size']}: local batch {s['local_batch_for_global']} x "
                          f"{c['ngpu']} ranks x {s['gradient_accumulation_steps']} accumulation steps")

@@ -158,6 +158,7 @@ def test_fit_is_the_usable_memory_and_the_headroom_only_comfort():
     assert fits(99 * GIB) and fits.tight(99 * GIB) and not keeps(99 * GIB)
     assert fits(98 * GIB) and not fits.tight(98 * GIB) and keeps(98 * GIB)
     assert not fits(100 * GIB + 1) and not fits.tight(100 * GIB + 1)
+    assert fits.clear(98 * GIB) and not fits.clear(99 * GIB)  # the batch search answers clear of the headroom
     h100 = by_key("h100")
     one, eight = usable_bytes(_cfg().estimate, h100, 1), usable_bytes(_cfg().estimate, h100, 8)
     assert 0 < h100.memory_gib * GIB - one < eight < one  # NCCL's buffers come on top with several ranks
@@ -207,6 +208,23 @@ def _cli(*args, tmp):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "estimation", *args], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+def test_batch_search_answers_clear_of_the_headroom_and_names_the_tight_batch_above():
+    """At the edge of the GPU a batch inside the allocator's headroom ran once and ran out of memory
+    once: the search answers the largest batch clear of it, and names the tight one above."""
+    from types import SimpleNamespace
+
+    from estimation.estimate import GIB, _Fits, _search
+
+    cfg = SimpleNamespace(training=SimpleNamespace(global_batch_size=-1))
+    fits = _Fits(78.59 * GIB, 0.02)
+    results = {b: SimpleNamespace(peak_bytes=int(p * GIB)) for b, p in {16: 61.8, 21: 75.6, 22: 78.4}.items()}
+    s = _search(results, 21, cfg, 1, fits)
+    assert s["largest_local_batch"] == 21 and s["tight_local_batch"] == 22
+    assert [p["fits"] for p in s["probes"]] == [True, True, False] and s["probes"][2]["tight"]
+    results[22] = SimpleNamespace(peak_bytes=int(81 * GIB))  # out of memory outright: nothing tight to name
+    assert _search(results, 21, cfg, 1, fits)["tight_local_batch"] is None
 
 
 def test_cli_unknown_hardware(tmp_path):
