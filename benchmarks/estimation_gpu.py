@@ -1,4 +1,5 @@
-"""Predicted vs measured with torch.compile on: peak memory, tokens/s, the largest batch, a kernel profile.
+"""Predicted vs measured with torch.compile on (and two eager cases): peak memory, tokens/s, the largest
+batch, a kernel profile.
 
     python benchmarks/estimation_gpu.py                  # 1 GPU: every one-GPU case, OOM search, profile,
                                                          # and the recommendation's top pick
@@ -55,6 +56,8 @@ CASES = {
     "b4_bf16_params_moments": (1, H100_CFG, ["--training.local_batch_size", "4", "--training.bf16_params",
                                              "--optimizer.moments_dtype", "bfloat16"]),
     "qwen3_b8": (1, QWEN_CFG, ["--training.local_batch_size", "8"]),
+    "eager_b4": (1, H100_CFG, ["--training.local_batch_size", "4", "--compile.enable=false"]),
+    "eager_b8": (1, H100_CFG, ["--training.local_batch_size", "8", "--compile.enable=false"]),
     "ddp2_b24": (2, B200_CFG, ["--training.local_batch_size", "24"]),
     "fsdp2_b8": (2, H100_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
 }
