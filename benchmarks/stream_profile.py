@@ -43,7 +43,7 @@ def category(name: str) -> str:
         return "triton f8 cast" if ("scaled_mm" in low or "abs" in low or "clamp" in low) else "triton"
     if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
         return "gemm"
-    if name.startswith(("_kernel", "_many_kernel")):
+    if "master_adamw" in low:
         return "optimizer (MasterAdamW)"
     if "multi_tensor" in low:
         return "foreach"

@@ -38,7 +38,7 @@ def test_idle_exposed_communication_and_overlap():
 @pytest.mark.parametrize("name, cat", [
     ("ncclDevKernel_AllGather_RING_LL", "nccl"), ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "attention"),
     ("triton_red_fused__fused_rms_norm__to_copy_abs_max_0", "triton f8 cast"), ("triton_poi_fused_add_6", "triton"),
-    ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN", "gemm"), ("_many_kernel", "optimizer (MasterAdamW)"),
+    ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN", "gemm"), ("_master_adamw_many_kernel", "optimizer (MasterAdamW)"),
     ("void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel", "fsdp copy"),
 ])
 def test_kernel_categories(name, cat):

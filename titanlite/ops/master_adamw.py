@@ -77,7 +77,7 @@ def _update_block(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, lr, 
 
 
 @triton.jit
-def _kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, n, lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr,
+def _master_adamw_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, n, lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr,
             wd, beta1, beta2, eps, BLOCK: tl.constexpr, OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr,
             WRITE_COPY: tl.constexpr):
     if tl.load(keep_ptr) == 0:  # a skipped step (non-finite gradients) writes nothing
@@ -88,7 +88,7 @@ def _kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, n, lr_ptr, scale_ptr, 
 
 
 @triton.jit
-def _many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, table_ptr, block_param_ptr, block_index_ptr,
+def _master_adamw_many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, table_ptr, block_param_ptr, block_index_ptr,
                  lr_ptr, scale_ptr, keep_ptr, bias1_ptr, bias2_sqrt_ptr, wd, beta1, beta2, eps, BLOCK: tl.constexpr,
                  OWN_MASTER: tl.constexpr, BF16_MOMENTS: tl.constexpr, WRITE_COPY: tl.constexpr):
     if tl.load(keep_ptr) == 0:
@@ -108,7 +108,7 @@ def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: floa
                         bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
     """Same arguments as titanlite.optim._master_adamw_update (tensors contiguous, any shape)."""
     n, own_master = p.numel(), lo is None
-    _kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, p if copy is None else copy, n, lr,
+    _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, p if copy is None else copy, n, lr,
                                       grad_scale, keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps,
                                       BLOCK=BLOCK, OWN_MASTER=own_master, BF16_MOMENTS=m.dtype == torch.bfloat16,
                                       WRITE_COPY=copy is not None, num_warps=4)
@@ -156,7 +156,7 @@ def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, b
     if cache.get("numels") != numels:
         cache.update(numels=numels, blocks=_block_tables(numels, ps[0].device))
     param, index = cache["blocks"]
-    _many_kernel[(param.numel(),)](*(ts[0] for ts in roles), cache["table"], param, index, lr, grad_scale,
+    _master_adamw_many_kernel[(param.numel(),)](*(ts[0] for ts in roles), cache["table"], param, index, lr, grad_scale,
                                    keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps, BLOCK=BLOCK,
                                    OWN_MASTER=own_master, BF16_MOMENTS=ms[0].dtype == torch.bfloat16,
                                    WRITE_COPY=copies is not None, num_warps=4)
