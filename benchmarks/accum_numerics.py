@@ -36,11 +36,10 @@ SEQ = 512
 
 def options(prepared: Path, flavor: str, local: int, accum: int, ngpus: int, seed: int, warmup: int,
             steps: int) -> list[str]:
-    seq = SEQ
     return ["--model.name", "llama", "--model.flavor", flavor, "--model.vocab_size", "32000",
             "--training.dataset", "prepared", "--training.dataset_path", str(prepared),
             "--training.local_batch_size", str(local), "--training.global_batch_size", str(local * accum * ngpus),
-            "--training.seq_len", str(seq), "--training.seed", str(seed), "--optimizer.lr", "6e-4",
+            "--training.seq_len", str(SEQ), "--training.seed", str(seed), "--optimizer.lr", "6e-4",
             "--lr_scheduler.warmup_steps", str(warmup), "--compile.enable", "--parallelism.data_parallel",
             "ddp" if ngpus > 1 else "fsdp", "--validation.freq", str(steps), "--validation.steps", "1000000",
             "--checkpoint.enable=false", "--metrics.progress_bar=false"]

@@ -190,49 +190,35 @@ _MOVES = ("cat", "split", "split_with_sizes", "slice", "select", "permute", "tra
 
 
 def _same_index(kernel: fx.Node, buffer: fx.Node, mat: set[fx.Node]) -> bool:
-    """Does `kernel` read `buffer` only at the index it writes (so it may write over it in place)?"""
-    stack, seen = [kernel], set()
+    """Does `kernel` read `buffer` only at the index it writes (so it may write over it in place)? Not
+    where a path from the buffer to the kernel's output passes an op that moves elements (_MOVES)."""
+    stack, seen = [(kernel, False)], set()
     while stack:
-        n = stack.pop()
+        n, moved = stack.pop()
+        moved = moved or (n is not kernel and _name(n) in _MOVES)
         for a in n.all_input_nodes:
-            if a in seen:
-                continue
-            seen.add(a)
             if a is buffer:
-                if n is not kernel and _name(n) in _MOVES:
+                if moved:
                     return False
-            elif a not in mat:
-                if _name(a) in _MOVES and buffer in _ancestors(a, mat):
-                    return False
-                stack.append(a)
+            elif a not in mat and (a, moved) not in seen:
+                seen.add((a, moved))
+                stack.append((a, moved))
     return True
-
-
-def _ancestors(node: fx.Node, mat: set[fx.Node]) -> set[fx.Node]:
-    out, stack = set(), list(node.all_input_nodes)
-    while stack:
-        a = stack.pop()
-        if a not in out:
-            out.add(a)
-            if a not in mat:
-                stack.extend(a.all_input_nodes)
-    return out
 
 
 @dataclass
 class MemoryPlan:
     """How Inductor's generated wrapper holds a graph's buffers, as a schedule for the fake run:
 
-    - `order`: nodes in the order the kernels run; kernels that Inductor fuses horizontally (several
-      outputs of one loop, e.g. SwiGLU's recomputed product and its two gradients) run together, so
-      their outputs exist at once;
+    - the graph is reordered so that kernels Inductor fuses horizontally (several outputs of one
+      loop, e.g. SwiGLU's recomputed product and its two gradients) run together, so their outputs
+      exist at once;
     - a buffer lives until the last kernel that reads it, also where that kernel recomputes an inlined
       expression from it (`release_after`), not only until its last direct user;
     - a kernel's output takes over a dead buffer of the same dtype and size (`takes_over`): one that
       dies at that kernel (in place) or one freed earlier and kept for reuse, which Inductor then
       holds from its last use until the reuse (`codegen.wrapper`'s reuse pool).
     """
-    order: list[fx.Node]
     roots: set[fx.Node]                            # nodes whose value is a buffer of its own
     release_after: dict[fx.Node, list[fx.Node]]    # node -> buffers whose last reader it ends
     takes_over: dict[fx.Node, fx.Node]             # allocating node -> the dead buffer it reuses
@@ -252,13 +238,10 @@ def _reuse_key(node: fx.Node):
     return (v.dtype, _nbytes(node)) if isinstance(v, torch.Tensor) else None
 
 
-def _fusion_groups(kernels: list[fx.Node], level, reads, mat) -> list[list[fx.Node]]:
+def _fusion_groups(kernels: list[fx.Node], level, roots, readers) -> list[list[fx.Node]]:
     """Kernels Inductor fuses into one: same pass, within FUSION_DISTANCE, and sharing a tensor they
-    read (or one reads the other) without the fusion costing more reusable memory than it saves."""
-    readers: dict[fx.Node, int] = {}
-    for k in kernels:
-        for r in {_root(a, mat) for a in reads[k]}:
-            readers[r] = readers.get(r, 0) + 1
+    read (or one reads the other) without the fusion costing more reusable memory than it saves.
+    `roots`: node -> the buffers it reads; `readers`: buffer -> how many nodes read it."""
     parent = {k: k for k in kernels}
 
     def find(k):
@@ -267,7 +250,6 @@ def _fusion_groups(kernels: list[fx.Node], level, reads, mat) -> list[list[fx.No
             k = parent[k]
         return k
 
-    roots = {k: {_root(a, mat) for a in reads[k]} for k in kernels}
     # inputs only this kernel reads: buffers it could hand over to a later output if not fused
     single = {k: {_reuse_key(r) for r in roots[k] if readers[r] == 1 and r.op == "call_function"} for k in kernels}
     for i, a in enumerate(kernels):
@@ -290,10 +272,15 @@ def _fusion_groups(kernels: list[fx.Node], level, reads, mat) -> list[list[fx.No
 def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
     """Reorder `graph` so that fused kernels run together, and return how its buffers live (MemoryPlan)."""
     level, reads = _levels(graph, mat)
+    read = {k: {_root(a, mat) for a in ins} for k, ins in reads.items()}  # node -> the buffers it reads
+    readers: dict[fx.Node, int] = {}
+    for bufs in read.values():
+        for r in bufs:
+            readers[r] = readers.get(r, 0) + 1
     kernels = [n for n in reads if _is_kernel(n)]
     original = list(graph.nodes)
     members: dict[fx.Node, list[fx.Node]] = {}
-    for group in _fusion_groups(kernels, level, reads, mat):
+    for group in _fusion_groups(kernels, level, read, readers):
         if len(group) > 1:
             members[group[0]] = group
     # run each group's members right after its first one, with the inlined nodes they recompute
@@ -335,13 +322,9 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
 
     roots = {n for n in order if (n.op == "placeholder" or n.op == "call_function") and is_buffer(n)}
     last: dict[fx.Node, fx.Node] = {}
-    readers: dict[fx.Node, int] = {}
-    for k, ins in reads.items():
-        for r in {_root(a, mat) for a in ins}:
-            readers[r] = readers.get(r, 0) + 1
-    for k, ins in reads.items():
+    for k, bufs in read.items():
         end = group_end.get(k, k)
-        for r in {_root(a, mat) for a in ins}:
+        for r in bufs:
             if r in roots and (r not in last or at[end] > at[last[r]]):
                 last[r] = end
     dying: dict[fx.Node, list[fx.Node]] = {}
@@ -363,7 +346,7 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
             # in place: an input only this kernel reads, at the index it writes (Inductor's
             # SchedulerNode.decide_inplace_update), dying here
             here = [r for r in dying.get(end, ()) if r.op == "call_function" and r not in taken and readers[r] == 1
-                    and _reuse_key(r) == _reuse_key(n) and r in {_root(a, mat) for a in reads[n]} and _same_index(n, r, mat)]
+                    and _reuse_key(r) == _reuse_key(n) and r in read[n] and _same_index(n, r, mat)]
             if here:
                 takes_over[n] = here[0]
                 taken.add(here[0])
@@ -383,7 +366,7 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
                     release_after.setdefault(n, []).append(r)
     for r, died in pooled.items():  # never reused: freed where it died
         release_after.setdefault(died, []).append(r)
-    return MemoryPlan(order, roots, release_after, takes_over)
+    return MemoryPlan(roots, release_after, takes_over)
 
 
 class _Runner(fx.Interpreter):

@@ -99,12 +99,6 @@ class _Fits:
         """Fits, but only by using the allocator's headroom."""
         return self.comfortable < peak <= self.budget
 
-    def clear(self, peak: int) -> bool:
-        """Fits without using the allocator's headroom: what the batch search answers. At the edge of
-        the GPU a tight batch runs in one process and runs out of memory in the next (1 x H100, LLaMA
-        1.36B, local 22, 78.28 GiB allocated: once each)."""
-        return peak <= self.comfortable
-
 
 def activation_floor(args, seq_len: int) -> int:
     """Bytes per sequence that every configuration keeps through the forward: each block's input,
@@ -152,7 +146,10 @@ def estimate(cfg, progress=_progress) -> dict:
                 return r.peak_bytes
 
             if est.search:
-                # a configured batch beyond the bound is not probed: start from the bottom instead
+                # a configured batch beyond the bound is not probed: start from the bottom instead. The
+                # answer keeps clear of the allocator's headroom: at the edge of the GPU a tight batch runs
+                # in one process and runs out of memory in the next (1 x H100, LLaMA 1.36B, local 22,
+                # 78.28 GiB allocated: once each).
                 largest = largest_batch(peak_of, _Fits(usable, fits.fragmentation, keep_headroom=True),
                                         local if local <= limit else 1, limit)
                 if largest < limit and (largest + 1) not in results:
@@ -231,7 +228,7 @@ def _search(results: dict, largest: int, cfg, world: int, fits) -> dict:
     out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3)
            if largest else None,
            "tight_local_batch": largest + 1 if above is not None and fits.tight(above.peak_bytes) else None,
-           "probes": [{"local_batch": b, "peak_gib": round(r.peak_bytes / GIB, 3), "fits": fits.clear(r.peak_bytes),
+           "probes": [{"local_batch": b, "peak_gib": round(r.peak_bytes / GIB, 3), "fits": r.peak_bytes <= fits.comfortable,
                        "tight": fits.tight(r.peak_bytes)} for b, r in sorted(results.items())]}
     if gb == -1:
         out["global_batch_size"] = "local x ranks (no accumulation)"
