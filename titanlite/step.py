@@ -148,14 +148,15 @@ class NonFiniteLossError(RuntimeError):
     """training.on_nan=stop: the loss of a step was NaN or infinite."""
 
 
-def global_step_losses(losses: list[torch.Tensor], world_size: int) -> list[float]:
-    """Each step's loss averaged over the ranks (each saw its own micro-batches), in one host sync."""
+def global_step_losses(losses: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """Each step's loss averaged over the ranks (each saw its own micro-batches), on device: queued
+    work, no host sync."""
     stacked = torch.stack(losses).float()
     if world_size > 1:
         import torch.distributed as dist
 
         dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
-    return stacked.tolist()
+    return stacked
 
 
 def check_finite(step_losses: list[float], last_step: int, on_nan: str) -> None:

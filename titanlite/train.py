@@ -2,7 +2,8 @@
 
 Read it top to bottom: `Trainer.__init__` builds everything, `train_step` is one optimizer step
 (with gradient accumulation), `train` is the loop with logging, validation and checkpoints.
-Host syncs (`.item()`, printing) happen only on log steps.
+Host syncs (`.item()`, printing) happen only for log steps, and a log step's figures are read once
+the next step is queued behind it (`LogPoint`), so the GPU does not wait while the host logs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,26 @@ class TrainState:
 
     def load_state_dict(self, sd):
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+@dataclass
+class LogPoint:
+    """A log step's figures, queued on the GPU behind its step. Reading them at once would leave the
+    GPU idle while the host waits, logs and launches the next step; read after the next step is
+    queued, the host's logging overlaps that step.
+
+    Its interval is timed between two marks of the step timer (CUDA events on the GPU's stream, or
+    the host clock), from the end of the previous log step to the end of this one: the host, which
+    runs ahead of the GPU, cannot tell when a step ended by when it looked."""
+    step: int
+    lr: float
+    tokens_seen: int
+    steps: int                 # optimizer steps since the previous log step
+    values: torch.Tensor       # those steps' losses (mean over ranks), then the grad norm; host memory
+    marks: list                # the step timer's phase marks of those steps
+    since: Any                 # the mark the interval starts at
+    excluded_s: float          # time inside the interval that is not training (validation, saves, traces)
+    done: Any                  # the mark after this step and the copy to `values`
 
 
 def check_writable(folder: str, key: str = "job.dump_folder") -> None:
@@ -164,7 +186,7 @@ class Trainer:
                          self.attention_backend, self.device, self.device_name, self.peak, self.n_params,
                          self.model_args.num_params(exclude_embedding=True), self.flops_per_token,
                          self.data.description)
-        self.report = Reporter(cfg, facts, self.dims.is_main, self.dims.rank, self.state.step)
+        self.report = Reporter(cfg, facts, self.dims.is_main, self.dims.rank, self.state.step, self.checkpointer.group)
         self.run_log = self.report.run_log
         self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
 
@@ -223,38 +245,45 @@ class Trainer:
         self.report.info(f"run log: {self.run_log.path}" if self.run_log else "")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        interval_start, interval_steps, val_loss = time.perf_counter(), 0, None
-        grad_norm = torch.zeros(())
+        interval_steps, val_loss = 0, None
+        self.interval_start, self.excluded_s = self.timer.mark(), 0.0  # the log interval under way
+        pending: LogPoint | None = None  # a log step whose figures are read once the next step is queued
         self.preemption.install()
         while st.step < cfg.training.steps:
-            interval_start += self.profiler.step(st.step + 1)  # writing a trace is not training time
-            loss, grad_norm = self.train_step()
+            self.excluded_s += self.profiler.step(st.step + 1)  # writing a trace is not training time
+            try:
+                loss, grad_norm = self.train_step()
+            except BaseException:
+                if pending is not None:  # the log step before a failing step keeps its entry
+                    with contextlib.suppress(Exception):
+                        self.finish_log(pending)
+                raise
+            if pending is not None:
+                self.finish_log(pending)
+                pending = None
             st.step += 1
             st.tokens_seen += self.tokens_per_step
             st.losses.append(loss)
             interval_steps += 1
             stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
             last = st.step == cfg.training.steps or stop
+            validating = cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop
             if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - interval_start
-                step_losses = self.check_finite_losses()
-                st.losses.clear()
-                self.report.log_step(st.step, step_losses, self.step_lr, grad_norm, elapsed, interval_steps,
-                                     st.tokens_seen, self.timer)
-                interval_start, interval_steps = time.perf_counter(), 0
-            if cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop:
-                validating = time.perf_counter()
+                pending, interval_steps = self.log_point(grad_norm, interval_steps), 0
+                if last or validating or self.checkpointer.should_save(st.step, last):
+                    self.finish_log(pending)  # needed now
+                    pending = None
+            if validating:
+                started = time.perf_counter()
                 val_loss = self.validate()
                 self.report.log_validation(st.step, val_loss)
-                interval_start += time.perf_counter() - validating  # validation time is not training time
+                self.excluded_s += time.perf_counter() - started  # validation time is not training time
             self.report.advance(st.step)
             saving = time.perf_counter()
             if st.losses and cfg.training.on_nan == "stop" and self.checkpointer.should_save(st.step, last):
                 self.check_finite_losses()  # never write a checkpoint of NaN weights
             self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
-            interval_start += time.perf_counter() - saving  # time blocked by a save is logged by it, not here
+            self.excluded_s += time.perf_counter() - saving  # time blocked by a save is logged by it, not here
             if stop:
                 self.report.info(f"{self.preemption.received}: stopped after step {st.step}; " + (
                     f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
@@ -265,10 +294,33 @@ class Trainer:
         self.profiler.close()
         return self.report.finish(st.step, val_loss)
 
+    def log_point(self, grad_norm: torch.Tensor, steps: int) -> LogPoint:
+        """Queue the figures of the log step just taken (the last `steps` steps) for the host; the
+        next log interval starts where this one ends."""
+        st = self.state
+        values = torch.cat([global_step_losses(st.losses, self.dims.world_size), grad_norm.float().reshape(1)])
+        st.losses.clear()
+        if values.is_cuda:
+            values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
+        point = LogPoint(st.step, self.step_lr, st.tokens_seen, steps, values, self.timer.take(), self.interval_start,
+                         self.excluded_s, self.timer.mark())
+        self.interval_start, self.excluded_s = point.done, 0.0
+        return point
+
+    def finish_log(self, point: LogPoint) -> None:
+        """Log `point` once its step has finished (with on_nan=stop, raise naming a non-finite step)."""
+        if not isinstance(point.done, float):
+            point.done.synchronize()
+        *step_losses, grad_norm = point.values.tolist()
+        check_finite(step_losses, point.step, self.cfg.training.on_nan)
+        elapsed_s = self.timer.elapsed_ms(point.since, point.done) / 1000 - point.excluded_s
+        self.report.log_step(point.step, step_losses, point.lr, grad_norm, elapsed_s, point.steps,
+                             point.tokens_seen, self.timer.collect(point.marks), self.timer.method)
+
     def check_finite_losses(self) -> list[float]:
         """Global mean loss of each step since the last log step (one host sync); with on_nan=stop,
         raise naming the first non-finite step."""
-        step_losses = global_step_losses(self.state.losses, self.dims.world_size)
+        step_losses = global_step_losses(self.state.losses, self.dims.world_size).tolist()
         check_finite(step_losses, self.state.step, self.cfg.training.on_nan)
         return step_losses
 

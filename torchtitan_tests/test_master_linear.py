@@ -121,18 +121,21 @@ def test_selective_checkpointing_saves_the_bf16_gemm():
 
 
 # ---------------------------------------------------------------------------------- one process
-def test_default_computes_what_autocast_computes(tmp_path):
-    """The blocks' matrices stay fp32 parameters equal to autocast's (same init), their copies are
-    the bf16 roundings autocast would make, so step 1's loss is bit for bit autocast's; later steps
-    differ by the weight gradients no longer rounded to bf16 and the optimizer's order of arithmetic
+@pytest.mark.parametrize("loss", ["chunked", "cross_entropy"])
+def test_default_computes_what_autocast_computes(tmp_path, loss):
+    """The blocks' matrices (and under the full cross-entropy, which calls the output layer, its
+    matrix too) stay fp32 parameters equal to autocast's (same init), their copies are the bf16
+    roundings autocast would make, so step 1's loss is bit for bit autocast's; later steps differ by
+    the weight gradients no longer rounded to bf16 and the optimizer's order of arithmetic
     (accumulation 2 here)."""
-    accum = ["--training.global_batch_size", "8"]
+    accum = ["--training.global_batch_size", "8", "--training.loss", loss]
     t = Trainer(load_config(base_args(tmp_path / "default", 4, *BF16, *accum)))
     ref = Trainer(load_config(base_args(tmp_path / "autocast", 4, *AUTOCAST, *accum)))
     assert type(t.optimizer) is MasterAdamW and type(ref.optimizer) is torch.optim.AdamW
     copies = {n: p for n, p in t.model.named_parameters() if hasattr(p, "bf16_copy")}
     assert "layers.0.attention.wq.weight" in copies and "layers.3.feed_forward.w2.weight" in copies
-    assert not copies.keys() & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.ffn_norm.weight"}
+    assert ("output.weight" in copies) == (loss == "cross_entropy")
+    assert not copies.keys() & {"tok_embeddings.weight", "norm.weight", "layers.0.ffn_norm.weight"}
     init = dict(ref.model.named_parameters())
     for n, p in t.model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, init[n]), n
@@ -142,7 +145,7 @@ def test_default_computes_what_autocast_computes(tmp_path):
         assert isinstance(t.model.get_submodule(n.removesuffix(".weight")), MasterLinear)
         assert torch.equal(p.bf16_copy, p.detach().bfloat16()), n  # rewritten with every update
     ours, theirs = step_losses(t), step_losses(ref)
-    assert ours[0] == theirs[0] and ours == pytest.approx(theirs, rel=3e-4) and ours != theirs
+    assert ours[0] == theirs[0] and ours == pytest.approx(theirs, rel=5e-4) and ours != theirs
     t.close()
     ref.close()
 

@@ -103,6 +103,100 @@ def test_run_log_one_line_and_unique_names(tmp_path):
     assert len(lines) == 1 and json.loads(lines[-1])["training_iterations"][0]["mfu"] == 1.5  # `tail -1` parses
 
 
+def test_run_log_appends_an_entry_without_rewriting_the_file(tmp_path, monkeypatch):
+    """A log step writes its entry in place (a whole rewrite grows with the run); validation entries
+    and the summary rewrite it. After every update the file is one line of JSON equal to the log."""
+    log = RunLog(tmp_path, {"config": {"x": 1}})
+    updates = [lambda i: log.append({"iter": i, "loss": 1.0 / i}), lambda i: log.add_validation({"iter": i}),
+               lambda i: log.append({"iter": i, "loss": float("nan")}), lambda i: log.set_summary({"steps": i})]
+    for i in range(1, 13):
+        updates[i % 4](i)
+        lines = log.path.read_text().splitlines()
+        assert len(lines) == 1 and json.dumps(json.loads(lines[0])) == json.dumps(log.data)
+    assert [e["iter"] for e in load(log.path).iterations] == [2, 4, 6, 8, 10, 12]
+
+    def no_rewrite(_self):
+        raise AssertionError("the whole file was rewritten for one entry")
+
+    monkeypatch.setattr(RunLog, "flush", no_rewrite)
+    log.append({"iter": 13, "loss": 0.5})
+    assert json.loads(log.path.read_text())["training_iterations"][-1] == {"iter": 13, "loss": 0.5}
+
+
+def test_log_intervals_tile_the_training_time_without_validation(tmp_cache):
+    """The logged step times, each over its interval, add up to the time the loop took minus what
+    it spent validating: the intervals meet end to end (each starts where the previous log step
+    ended, whenever its entry is written) and validation is left out of the one it falls in."""
+    cfg = load_config(TINY + ["--training.steps", "7", "--metrics.log_freq", "2", "--validation.enable",
+                              "--validation.freq", "3", "--validation.steps", "20", "--debug.inject_data_delay_ms",
+                              "30", "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    validating, validate = [], t.validate
+
+    def timed_validate():
+        start = time.perf_counter()
+        out = validate()
+        validating.append(time.perf_counter() - start)
+        return out
+
+    t.validate = timed_validate
+    start = time.perf_counter()
+    t.train()
+    total = time.perf_counter() - start
+    its = t.run_log.data["training_iterations"]
+    logged = sum(e["time_ms"] / 1000 * n for e, n in zip(its, [1, 1, 2, 2, 1]))
+    assert [e["iter"] for e in its] == [1, 2, 4, 6, 7] and len(validating) == 3  # steps 3, 6 and the end
+    assert sum(validating) > 0.2 * total  # large enough that counting it would show
+    assert total - sum(validating) - 0.05 < logged < total - sum(validating)
+    t.close()
+
+
+def test_log_step_is_written_while_the_next_step_runs(tmp_cache):
+    """A log step's entry is written once the next step is queued (on a GPU the host then logs while
+    that step runs), except where its figures are needed at once: the last step. Each entry holds
+    exactly its steps' losses and its step's grad norm; a step that fails leaves the entry before it."""
+    cfg = load_config(TINY + ["--training.steps", "7", "--metrics.log_freq", "2", "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    taken, written, step = [], [], t.train_step
+
+    def train_step():
+        loss, grad_norm = step()
+        taken.append((loss.item(), grad_norm.item()))
+        return loss, grad_norm
+
+    log_step = t.report.log_step
+
+    def record(at, step_losses, lr, grad_norm, *rest):
+        written.append((at, len(taken), step_losses, grad_norm))
+        log_step(at, step_losses, lr, grad_norm, *rest)
+
+    t.train_step, t.report.log_step = train_step, record
+    t.train()
+    assert [(at, steps_taken) for at, steps_taken, _, _ in written] == [(1, 2), (2, 3), (4, 5), (6, 7), (7, 7)]
+    firsts = [1, 2, 3, 5, 7]
+    for (at, _, step_losses, grad_norm), first in zip(written, firsts):
+        assert step_losses == pytest.approx([loss for loss, _ in taken[first - 1:at]], rel=1e-6)
+        assert grad_norm == pytest.approx(taken[at - 1][1], rel=1e-6)
+    assert [e["iter"] for e in t.run_log.data["training_iterations"]] == [1, 2, 4, 6, 7]
+    t.close()
+
+    t = Trainer(load_config(TINY + ["--training.steps", "9", "--metrics.log_freq", "3", "--job.dump_folder",
+                                    str(tmp_cache / "failing")]))
+    calls, step = [], t.train_step
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("step 5 failed")
+        return step()
+
+    t.train_step = failing_step
+    with pytest.raises(RuntimeError, match="step 5 failed"):
+        t.train()
+    assert [e["iter"] for e in json.loads(t.run_log.path.read_text())["training_iterations"]] == [1, 3]
+    t.close()
+
+
 def _its(iters, **extra):
     return [{"iter": i, "loss": 3.0, "time_ms": 100.0 + i, "tokens_per_sec": 1000.0 * i, "mfu": None,
              "memory_peak_gb": float(i), **extra} for i in iters]

@@ -101,6 +101,24 @@ def test_chunked_loss_without_autograd_matches():
         assert torch.allclose(chunked_linear_cross_entropy(h, w, y, chunk_tokens=10), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_chunked_loss_gradients_match_the_full_loss(compiled):
+    """The chunked loss's own gradients (computed in its forward, chunk by chunk, the last chunk
+    short) are autograd's through the full logits, eager and compiled."""
+    from titanlite.ops.loss import chunked_linear_cross_entropy, cross_entropy
+
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 37, 16, requires_grad=True), (0.3 * torch.randn(50, 16)).requires_grad_()
+    y = torch.randint(0, 50, (2, 37))
+    loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=10, compiled=compiled)
+    (2.5 * loss).backward()  # the incoming gradient scales both
+    ref = cross_entropy(h @ w.t(), y)
+    rh, rw = torch.autograd.grad(2.5 * ref, (h, w))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, rh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad, rw, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_chunked_loss_gradients_on_cuda():
     """The CUDA path adds each chunk's output-weight gradient with one fp32-output GEMM (addmm with

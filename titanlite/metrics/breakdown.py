@@ -38,11 +38,12 @@ def summarize(ranks: list[dict], method: str) -> dict:
             "slowest_rank_basis": "busy_ms = data + compute + optimizer", "method": method}
 
 
-def gather_breakdown(local: dict, method: str) -> dict | None:
-    """All ranks call this on log steps (one all_gather_object); rank 0 gets the summary, others None."""
+def gather_breakdown(local: dict, method: str, group=None) -> dict | None:
+    """All ranks call this on log steps (one all_gather_object over `group`, by default the world);
+    rank 0 gets the summary, others None."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, local)
+        dist.all_gather_object(ranks, local, group=group)
         if dist.get_rank() != 0:
             return None
     else:

@@ -78,8 +78,10 @@ def startup_info(cfg, f: RunFacts) -> dict:
 
 
 class Reporter:
-    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int):
-        self.facts, self.rank = facts, rank
+    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int, host_group=None):
+        # host_group: a gloo group for the breakdown's gather, so a log step finished while the next
+        # step runs does not queue a collective behind that step on the GPU and wait for it
+        self.facts, self.rank, self.host_group = facts, rank, host_group
         self.console = Console(is_main, cfg.training.steps, cfg.metrics.progress_bar, start_step=start_step)
         self.run_log = RunLog(cfg.job.dump_folder, startup_info(cfg, facts)) if is_main else None
         if self.run_log:
@@ -94,9 +96,10 @@ class Reporter:
     def info(self, line: str) -> None:
         self.console.info(line)
 
-    def log_step(self, step: int, step_losses: list[float], lr: float, grad_norm: torch.Tensor, elapsed_s: float,
-                 steps: int, tokens_seen: int, timer) -> None:
-        """One log entry over the `steps` optimizer steps since the last one (all ranks call it)."""
+    def log_step(self, step: int, step_losses: list[float], lr: float, grad_norm: float, elapsed_s: float,
+                 steps: int, tokens_seen: int, phases: dict[str, float | None], timing_method: str) -> None:
+        """One log entry over the `steps` optimizer steps since the last one (all ranks call it);
+        `phases` is StepTimer.collect's figures over those steps."""
         f = self.facts
         time_ms = elapsed_s / steps * 1000
         tps = f.tokens_per_step / (time_ms / 1000)
@@ -117,9 +120,9 @@ class Reporter:
         self._warn_on_cache_releases(entry.get("alloc_retries"))
         gpu = self.gpu_monitor.sample()  # NVML utilisation / power / SM clock, where present
         entry.update(gpu)
-        local = rank_breakdown(self.rank, time_ms, timer.collect(), steps)
+        local = rank_breakdown(self.rank, time_ms, phases, steps)
         local.update(gpu, memory_peak_gb=entry["memory_peak_gb"])
-        entry["breakdown"] = gather_breakdown(local, timer.method)  # one all_gather_object; None off rank 0
+        entry["breakdown"] = gather_breakdown(local, timing_method, self.host_group)  # None off rank 0
         if self.run_log:
             self.run_log.append(entry)
         if self.tensorboard:

@@ -1,12 +1,16 @@
 """The run log: the writer, a typed loader, and the one steady-state rule every reader of a log uses.
 
-`<dump_folder>/run_<timestamp>.json`, valid JSON at every moment: each update rewrites a temporary
-file and renames it over the log (atomic on POSIX), so a run killed at any point leaves the last
-complete version. The layout is what the analysis snippets of the seed guides (the guides written
-for the nanoGPT-style trainer titanlite replaces) read:
-{"startup_info": {"config": {...}, ...}, "training_iterations": [{...}, ...]}. It is written on
-one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"` (their
-live-MFU monitor) parses it.
+`<dump_folder>/run_<timestamp>.json`, valid JSON between updates. The layout is what the analysis
+snippets of the seed guides (the guides written for the nanoGPT-style trainer titanlite replaces)
+read: {"startup_info": {"config": {...}, ...}, ..., "training_iterations": [{...}, ...]}. It is
+written on one line, so `tail -1 run_*.json | python -c "import json,sys; json.load(sys.stdin)"`
+(their live-MFU monitor) parses it.
+
+How it is written: a log step's entry is appended in place, one small write over the closing
+`]}` (the iterations are the last key for that), because rewriting the whole file at every log step
+grows with the run: at 5,000 entries a rewrite takes a few hundred milliseconds of host time, which
+a long run pays at every log step. The rarer updates (startup, validation, the summary) rewrite a
+temporary file and rename it over the log (atomic on POSIX).
 
 Readers: `load` / `load_all` give `LoggedRun`s (the tools load through them; diagnose's readers of
 other formats fill the same type), `steady` splits a run's entries into warm-up and steady state
@@ -30,12 +34,15 @@ class RunLog:
         self.folder = Path(folder)
         self.stamp = stamp or _unique_stamp(self.folder)
         self.path = self.folder / f"run_{self.stamp}.json"
-        self.data = {"startup_info": startup_info, "training_iterations": [], "validation": [], "summary": {}}
+        self.data = {"startup_info": startup_info, "validation": [], "summary": {}, "training_iterations": []}
         self.flush()
 
     def append(self, entry: dict) -> None:
-        self.data["training_iterations"].append(entry)
-        self.flush()
+        its = self.data["training_iterations"]
+        its.append(entry)
+        with open(self.path, "r+b") as fh:
+            fh.seek(-len(_END), os.SEEK_END)
+            fh.write(b"," * (len(its) > 1) + _dumps(entry).encode() + _END)
 
     def add_validation(self, entry: dict) -> None:
         self.data["validation"].append(entry)
@@ -47,10 +54,16 @@ class RunLog:
 
     def flush(self) -> None:
         tmp = self.path.with_suffix(".json.tmp")
-        with open(tmp, "w") as fh:
-            json.dump(self.data, fh, separators=(",", ":"))
-            fh.write("\n")
+        with open(tmp, "wb") as fh:
+            fh.write(_dumps(self.data).encode() + b"\n")
         os.replace(tmp, self.path)
+
+
+_END = b"]}\n"  # how the file ends: the iterations' list, the object, the line
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def _unique_stamp(folder: Path) -> str:

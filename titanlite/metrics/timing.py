@@ -62,17 +62,17 @@ class StepTimer:
         if self._in_compute and len(self._fwd_marks) < 2:  # the first forward of the micro-step only
             if self.cuda and torch.cuda.is_current_stream_capturing():
                 return
-            self._fwd_marks.append(self._mark())
+            self._fwd_marks.append(self.mark())
 
     # ---- marks: a CUDA event on the current stream, or the host clock
-    def _mark(self):
+    def mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
         return time.perf_counter()
 
-    def _elapsed_ms(self, a, b) -> float:
+    def elapsed_ms(self, a, b) -> float:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1000
 
     def _on_grad_ready(self, _param) -> None:
@@ -95,25 +95,31 @@ class StepTimer:
         compute = name == "compute"
         if compute:
             self._in_compute, self._grad_mark, self._fwd_marks = True, None, []
-        start = self._mark()
+        start = self.mark()
         try:
             yield
         finally:
-            end = self._mark()
+            end = self.mark()
             fwd = tuple(self._fwd_marks) if compute and len(self._fwd_marks) == 2 else None
             self._done.append((name, start, end, self._grad_mark if compute else None, fwd))
             if compute:
                 self._in_compute = False
 
-    def collect(self) -> dict[str, float | None]:
-        """Milliseconds per phase since the last collect, then reset. Keys: data, compute, comm, optimizer.
+    def take(self) -> list[tuple]:
+        """The marks since the last take or collect, handed over (for `collect` once they are done)."""
+        done, self._done = self._done, []
+        return done
+
+    def collect(self, marks: list[tuple] | None = None) -> dict[str, float | None]:
+        """Milliseconds per phase of `marks` (by default those since the last take or collect, taken
+        now); on CUDA their events must have completed. Keys: data, compute, comm, optimizer.
 
         compute excludes the exposed gradient-sync wait reported as comm; comm is None when it
         could not be measured (then compute includes it)."""
         out: dict[str, float | None] = {k: 0.0 for k in self.PHASES}
         comm, comm_known = 0.0, True
-        for name, start, end, grad, fwd in self._done:
-            total = self._elapsed_ms(start, end)
+        for name, start, end, grad, fwd in self.take() if marks is None else marks:
+            total = self.elapsed_ms(start, end)
             if name == "comm":  # an explicit collective outside backward, wrapped by the caller
                 comm += total
                 continue
@@ -121,13 +127,12 @@ class StepTimer:
                 if grad is None:
                     comm_known = False
                 else:
-                    wait = max(self._elapsed_ms(grad, end), 0.0)
+                    wait = max(self.elapsed_ms(grad, end), 0.0)
                     if fwd is not None:
-                        wait += max(self._elapsed_ms(*fwd), 0.0)
+                        wait += max(self.elapsed_ms(*fwd), 0.0)
                     comm += wait
                     total -= wait
             out[name] = out.get(name, 0.0) + total
-        self._done.clear()
         out["comm"] = comm if comm_known else None
         if not comm_known:  # cannot separate: compute keeps all communication, as measured
             out["compute"] += comm

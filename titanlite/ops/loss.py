@@ -25,14 +25,16 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, inv_n: floa
     """Summed loss of one chunk and d(mean loss)/d(logits) = (softmax - onehot) / N, in the logits' dtype.
 
     Elementwise only, and in place on one fp32 copy of the chunk, so eager mode holds a single
-    (tokens x vocab) fp32 buffer; on CUDA with compile it fuses further (logits read once, gradient
-    written once).
+    (tokens x vocab) fp32 buffer. Compiled, nothing in it needs that copy to exist: the one-hot is a
+    comparison with the column index (a scatter into the copy would make Inductor write it out and
+    read it back), so the logits are read by the log-sum-exp and once more by the kernel that
+    writes the gradient.
     """
     x = logits.float() if logits.dtype != torch.float32 else logits.clone()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     loss_sum = (lse.squeeze(1) - x.gather(1, labels[:, None]).squeeze(1)).sum()
     x.sub_(lse).exp_()  # softmax
-    x.scatter_add_(1, labels[:, None], torch.full((labels.shape[0], 1), -1.0, device=x.device))
+    x.sub_((labels[:, None] == torch.arange(x.shape[1], device=x.device)).float())
     return loss_sum, x.mul_(inv_n).to(logits.dtype)
 
 
@@ -57,14 +59,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
         h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
         fn = _chunk_fn(compiled)
         grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk_tokens):
             hc, yc = h[start : start + chunk_tokens], labels[start : start + chunk_tokens]
             loss_sum, g = fn(hc @ w.t(), yc, 1.0 / n)
             total += loss_sum
             grad_h[start : start + chunk_tokens] = g @ w
-            fp32_mm(g.t(), hc, grad_w)  # each chunk adds into the fp32 gradient inside its GEMM, unrounded
+            # the first chunk's GEMM writes the fp32 gradient, each later one adds into it, unrounded
+            grad_w = fp32_mm(g.t(), hc, grad_w)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
 

@@ -151,10 +151,14 @@ def apply_compile(model: nn.Module, c) -> None:
 
 
 # ------------------------------------------------------------------------------------- bf16 params
-def apply_bf16_params(model: nn.Module, dp_mode: str) -> None:
-    """training.bf16_params: the transformer blocks' matrices multiply in bf16 without autocast's
-    per-step casts; everything else stays with autocast (embeddings, norms, output head, hence the
-    residual stream and its gradient stay fp32).
+def apply_bf16_params(model: nn.Module, dp_mode: str, head: bool = False) -> None:
+    """training.bf16_params: the transformer blocks' matrices (and with `head` the output layer's)
+    multiply in bf16 without autocast's per-step casts; everything else stays with autocast
+    (embeddings, norms, hence the residual stream and its gradient stay fp32).
+
+    `head` is for training.loss=cross_entropy, whose logits come from the output layer's own call:
+    its weight gradient then also comes out of its GEMM in fp32. The chunked loss multiplies the
+    output weight itself and adds its gradient up in fp32 chunk by chunk.
 
     - nn.Linear: stays an fp32 master Parameter and multiplies a bf16 copy of itself, with fp32
       weight gradients (titanlite.ops.master_linear); MasterAdamW rewrites the copy as it updates.
@@ -177,6 +181,8 @@ def apply_bf16_params(model: nn.Module, dp_mode: str) -> None:
                 w = module.weight
                 w.fp32_master = w.data
                 w.data = w.data.to(torch.bfloat16)
+    if head:
+        use_bf16_copy(model.output)
 
 
 # ------------------------------------------------------------------------------------ materialise
@@ -201,7 +207,8 @@ def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
         apply_compile(model, cfg.compile)
     materialize(model, dims.device, cfg.training.seed)
     if bf16_copies(cfg, dims.world_size, dims.device.type):
-        apply_bf16_params(model, dims.mode)  # before ddp, whose buckets take the gradients' dtype
+        # before ddp, whose buckets take the gradients' dtype
+        apply_bf16_params(model, dims.mode, head=cfg.training.loss == "cross_entropy")
     if dims.world_size > 1 and dims.mode != "none":
         model = (wrap or DATA_PARALLEL[dims.mode])(model, cfg, dims)
     return model
