@@ -148,8 +148,7 @@ def estimate(cfg, progress=_progress) -> dict:
             if est.search:
                 # a configured batch beyond the bound is not probed: start from the bottom instead. The
                 # answer keeps clear of the allocator's headroom: at the edge of the GPU a tight batch runs
-                # in one process and runs out of memory in the next (1 x H100, LLaMA 1.36B, local 22,
-                # 78.28 GiB allocated: once each).
+                # in one process and runs out of memory in the next (docs/estimation.md, the OOM search).
                 largest = largest_batch(peak_of, _Fits(usable, fits.fragmentation, keep_headroom=True),
                                         local if local <= limit else 1, limit)
                 if largest < limit and (largest + 1) not in results:

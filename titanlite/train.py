@@ -309,8 +309,7 @@ class Trainer:
 
     def finish_log(self, point: LogPoint) -> None:
         """Log `point` once its step has finished (with on_nan=stop, raise naming a non-finite step)."""
-        if not isinstance(point.done, float):
-            point.done.synchronize()
+        self.timer.wait(point.done)
         *step_losses, grad_norm = point.values.tolist()
         check_finite(step_losses, point.step, self.cfg.training.on_nan)
         elapsed_s = self.timer.elapsed_ms(point.since, point.done) / 1000 - point.excluded_s

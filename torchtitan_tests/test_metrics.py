@@ -268,19 +268,19 @@ def test_timer_splits_the_wrapper_wait_from_compute():
             model(x).sum().backward()
         with timer.phase("optimizer"):
             pass
-    out = timer.collect()
+    out = timer.collect(timer.take())
     # sleeps only give lower bounds; the point is where each one lands
     assert out["comm"] >= 59  # two 30 ms waits before the wrapped forward
     assert out["data"] >= 19
     assert out["compute"] < 30  # neither wait is counted as compute
-    assert timer.collect() == {"data": 0.0, "compute": 0.0, "optimizer": 0.0, "comm": 0.0}  # reset
+    assert timer.collect(timer.take()) == {"data": 0.0, "compute": 0.0, "optimizer": 0.0, "comm": 0.0}  # reset
 
 
 def test_timer_reports_unknown_comm_when_no_gradient_hook_fires():
     timer = StepTimer(torch.device("cpu"))  # no model watched: like FSDP2, whose registered params get no hook
     with timer.phase("compute"):
         time.sleep(0.01)
-    out = timer.collect()
+    out = timer.collect(timer.take())
     assert out["comm"] is None and out["compute"] >= 9
 
 

@@ -17,7 +17,7 @@ FIGURES = ("step", "data", "compute", "comm", "optimizer", "idle", "busy")
 
 
 def rank_breakdown(rank: int, step_ms: float, phase_ms: dict, steps: int) -> dict:
-    """One rank's entry from StepTimer.collect() totals over `steps` optimizer steps."""
+    """One rank's entry from StepTimer.collect totals over `steps` optimizer steps."""
     per = {k: (v / steps if v is not None else None) for k, v in phase_ms.items()}
     busy = per["data"] + per["compute"] + per["optimizer"]
     return {"rank": rank, "step_ms": step_ms, "data_ms": per["data"], "compute_ms": per["compute"],

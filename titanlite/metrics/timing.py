@@ -1,12 +1,12 @@
 """Per-step phase timing: data wait, forward+backward compute, exposed gradient communication, optimizer.
 
-`StepTimer.phase(name)` wraps a region of the training step; `collect()` (log steps only) returns
-milliseconds per phase since the last collect.
+`StepTimer.phase(name)` wraps a region of the training step; on log steps `take()` hands over the
+marks since the last take and `collect(marks)` turns them into milliseconds per phase.
 
 - GPU: each phase boundary records a CUDA event on the current stream, so a phase's figure is
   *device* time between its two boundaries (it includes the GPU idling while the host catches up,
-  and excludes host time the GPU did not notice). Events are only read in `collect()`, after the
-  trainer's log-step synchronize: no sync is added to other steps.
+  and excludes host time the GPU did not notice). Events are only read in `collect`, after the
+  trainer waited for the log step's own mark (`wait`): no sync is added to other steps.
 - CPU: the same boundaries with `time.perf_counter()`.
 
 Exposed communication, measured at both ends of the compute phase. Every parameter gets a post-accumulate-grad hook that marks "this gradient
@@ -75,6 +75,11 @@ class StepTimer:
     def elapsed_ms(self, a, b) -> float:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1000
 
+    def wait(self, mark) -> None:
+        """Until the GPU has reached `mark` (a host-clock mark has been reached when it was taken)."""
+        if self.cuda:
+            mark.synchronize()
+
     def _on_grad_ready(self, _param) -> None:
         if not self._in_compute:
             return
@@ -106,19 +111,19 @@ class StepTimer:
                 self._in_compute = False
 
     def take(self) -> list[tuple]:
-        """The marks since the last take or collect, handed over (for `collect` once they are done)."""
+        """The phase marks since the last take, handed over (for `collect` once they are done)."""
         done, self._done = self._done, []
         return done
 
-    def collect(self, marks: list[tuple] | None = None) -> dict[str, float | None]:
-        """Milliseconds per phase of `marks` (by default those since the last take or collect, taken
-        now); on CUDA their events must have completed. Keys: data, compute, comm, optimizer.
+    def collect(self, marks: list[tuple]) -> dict[str, float | None]:
+        """Milliseconds per phase of `marks` (from `take`; on CUDA their events must have completed).
+        Keys: data, compute, comm, optimizer.
 
         compute excludes the exposed gradient-sync wait reported as comm; comm is None when it
         could not be measured (then compute includes it)."""
         out: dict[str, float | None] = {k: 0.0 for k in self.PHASES}
         comm, comm_known = 0.0, True
-        for name, start, end, grad, fwd in self.take() if marks is None else marks:
+        for name, start, end, grad, fwd in marks:
             total = self.elapsed_ms(start, end)
             if name == "comm":  # an explicit collective outside backward, wrapped by the caller
                 comm += total
