@@ -302,6 +302,49 @@ def test_accum_numerics_decides_inside_the_spread_per_seed():
     assert "not decided" in failed and "seed 2: exit 1" in failed
 
 
+def test_accum_numerics_weighs_the_paired_differences_against_their_standard_error():
+    import accum_numerics
+
+    # differences 0.002, 0.004, 0.003, 0.005: mean 0.0035, standard error 0.000645
+    higher = accum_numerics.paired([0.002, 0.004, 0.003, 0.005])
+    assert "mean +0.0035, standard error 0.0006 over 4 seeds (the default higher" in higher
+    assert "the default lower" in accum_numerics.paired([-0.002, -0.004, -0.003, -0.005])
+    assert "not distinguishable" in accum_numerics.paired([0.010, -0.008, 0.004])
+    default, autocast = list(accum_numerics.PATHS)
+    text = accum_numerics.report({default: {1: 1.24, 2: 1.27}, autocast: {1: 1.23, 2: 1.25}}, {}, {}, "h")
+    assert "mean +0.0150, standard error 0.0050 over 2 seeds (the default higher" in text
+
+
+def _numerics_folder(folder: Path, head: str, finals: dict, trains: dict) -> Path:
+    """An --out folder as accum_numerics writes it (the JSON's seeds are strings, as json.dumps makes them)."""
+    folder.mkdir()
+    (folder / "accum_numerics.md").write_text(head + "\n\nFinal loss ...\n")
+    as_json = lambda d: {path: {str(s): v for s, v in by_seed.items()} for path, by_seed in d.items()}
+    (folder / "accum_numerics.json").write_text(json.dumps({"finals": as_json(finals), "train_last": as_json(trains),
+                                                            "runs": []}))
+    return folder
+
+
+def test_accum_numerics_combines_the_seeds_of_several_calls(tmp_path):
+    import accum_numerics
+
+    default, autocast = list(accum_numerics.PATHS)
+    one = _numerics_folder(tmp_path / "one", "setup A", {default: {1: 1.30, 2: 1.31}, autocast: {1: 1.29, 2: 1.32}},
+                           {default: {1: 1.1, 2: 1.2}, autocast: {1: 1.1, 2: 1.2}})
+    two = _numerics_folder(tmp_path / "two", "setup A", {default: {3: 1.33}, autocast: {3: 1.28}},
+                           {default: {3: 1.3}, autocast: {3: 1.4}})
+    text = accum_numerics.combine([one, two])
+    assert text.startswith("setup A (combined from 2 runs")
+    assert "| seed 1 | seed 2 | seed 3 |" in text and "1.2800 - 1.3200" in text
+    assert "+0.0100, -0.0100, +0.0500" in text and "over 3 seeds" in text
+    other = _numerics_folder(tmp_path / "other", "setup B", {default: {4: 1.3}, autocast: {4: 1.3}},
+                             {default: {4: 1.3}, autocast: {4: 1.3}})
+    with pytest.raises(ValueError, match="different setups"):
+        accum_numerics.combine([one, other])
+    with pytest.raises(ValueError, match="seed 3 is in more than one"):
+        accum_numerics.combine([one, two, two])
+
+
 def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
     import accum_numerics
     import launch
@@ -313,7 +356,9 @@ def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
 @pytest.mark.parametrize("script, argv", [("presets.py", ["--only", "no such row"]),
                                           ("accum_numerics.py", ["--seeds", "1,x"]),
                                           ("accum_numerics.py", ["--steps", "5"]),
-                                          ("accum_numerics.py", ["--local", "0"])])
+                                          ("accum_numerics.py", ["--local", "0"]),
+                                          ("accum_numerics.py", ["--shared-gpu"]),
+                                          ("accum_numerics.py", ["--combine", "/no/such/folder"])])
 def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
