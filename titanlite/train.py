@@ -316,12 +316,11 @@ class Trainer:
         self.report.log_step(point.step, step_losses, point.lr, grad_norm, elapsed_s, point.steps,
                              point.tokens_seen, self.timer.collect(point.marks), self.timer.method)
 
-    def check_finite_losses(self) -> list[float]:
-        """Global mean loss of each step since the last log step (one host sync); with on_nan=stop,
-        raise naming the first non-finite step."""
+    def check_finite_losses(self) -> None:
+        """With on_nan=stop, raise naming the first non-finite step since the last log step (the steps'
+        global mean losses, one host sync)."""
         step_losses = global_step_losses(self.state.losses, self.dims.world_size).tolist()
         check_finite(step_losses, self.state.step, self.cfg.training.on_nan)
-        return step_losses
 
     def close(self):
         """Release what the run holds. The process group is left to the caller (`main`), which

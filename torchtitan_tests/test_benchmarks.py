@@ -316,12 +316,8 @@ def test_accum_numerics_weighs_the_paired_differences_against_their_standard_err
 
 
 def _numerics_folder(folder: Path, head: str, finals: dict, trains: dict) -> Path:
-    """An --out folder as accum_numerics writes it (the JSON's seeds are strings, as json.dumps makes them)."""
-    folder.mkdir()
-    (folder / "accum_numerics.md").write_text(head + "\n\nFinal loss ...\n")
-    as_json = lambda d: {path: {str(s): v for s, v in by_seed.items()} for path, by_seed in d.items()}
-    (folder / "accum_numerics.json").write_text(json.dumps({"finals": as_json(finals), "train_last": as_json(trains),
-                                                            "runs": []}))
+    """An --out folder written as accum_numerics.main writes it (launch.save: the report, the JSON)."""
+    launch.save(folder, "accum_numerics", head + "\n\nFinal loss ...", [], {"finals": finals, "train_last": trains})
     return folder
 
 
