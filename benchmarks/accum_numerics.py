@@ -22,7 +22,8 @@ learn the language rather than memorise the text. "Final loss" is the loss on th
 split after the last step: the same tokens for every run, no batch-to-batch noise. The default passes
 where each of its seeds' final losses lies within the spread (lowest to highest) of the autocast
 seeds'. The table also gives the mean training loss of the last 20 steps. All runs of one GPU count
-share the GPU(s) and run at once (a 134M model leaves most of an H100 idle), so timings mean nothing.
+share the GPU(s) and run at once, as many as the host's cores feed (`--parallel`; a 134M model leaves
+most of an H100 idle), so timings mean nothing.
 Writes accum_numerics.md and accum_numerics.json to --out; --combine reports the seeds of several
 such folders (same setup) together.
 
@@ -139,6 +140,13 @@ def combine(folders: list[Path]) -> str:
     return report(finals, trains, {}, heads.pop() + f" (combined from {len(folders)} runs of this script)")
 
 
+def runs_at_once(wanted: int, ranks: int, cores: int) -> int:
+    """How many runs to start together: `wanted`, but at most 3 processes for every 4 CPU cores. Each
+    process compiles and feeds its GPU from the host; on 32 cores 12 ddp runs of 2 ranks (24
+    processes) took 200 s, and 18 (36) made most runs pass 570 s."""
+    return max(1, min(wanted, cores * 3 // 4 // ranks))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = launch.Parser(__doc__)
     ap.add_argument("--ngpus", type=int, default=1, help="1: gradient accumulation on one GPU; 2+: ddp over them")
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--shared-gpu", action="store_true",
                     help="with --ngpus 2+: every rank on GPU 0, process group over gloo (same arithmetic, see above)")
-    ap.add_argument("--parallel", type=int, default=0, help="runs at once (default: all on one GPU, 2 over several)")
+    ap.add_argument("--parallel", type=int, default=0,
+                    help="runs at once (default: all of them), at most 3 processes for every 4 CPU cores")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/accum_numerics"))
     ap.add_argument("--combine", nargs="+", metavar="DIR",
@@ -167,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds takes integers separated by commas, not {a.seeds!r}")
-    if a.steps <= LAST or a.accum < 1 or a.local < 1 or a.ngpus < 1 or not 0 <= a.warmup < a.steps:
-        ap.error(f"need --steps > {LAST}, --accum >= 1, --local >= 1, --ngpus >= 1 and 0 <= --warmup < --steps")
+    if a.steps <= LAST or a.accum < 1 or a.local < 1 or a.ngpus < 1 or a.parallel < 0 or not 0 <= a.warmup < a.steps:
+        ap.error(f"need --steps > {LAST}, --accum >= 1, --local >= 1, --ngpus >= 1, --parallel >= 0 "
+                 "and 0 <= --warmup < --steps")
     if a.shared_gpu and a.ngpus < 2:
         ap.error("--shared-gpu is for ddp: give --ngpus 2 or more")
     if not (loss_parity.ASSETS / "c4_test" / "data.json").exists():
@@ -186,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
         base = options(prepared, a.flavor, a.local, a.accum, a.ngpus, seed, a.warmup, a.steps, a.shared_gpu)
         return job, launch.titanlite(name, PATHS[path], a.ngpus, a.steps, 10, a.timeout, work=work, base=base)
 
-    at_once = a.parallel or (len(jobs) if a.ngpus == 1 else 2)
+    at_once = runs_at_once(a.parallel or len(jobs), a.ngpus, os.cpu_count() or 1)
+    if at_once < (a.parallel or len(jobs)):
+        print(f"accum_numerics: {at_once} runs at once ({os.cpu_count()} CPU cores, {a.ngpus} rank(s) a run)", flush=True)
     with ThreadPoolExecutor(at_once) as pool:
         done = list(pool.map(one, jobs))
     finals = {p: {} for p in PATHS}

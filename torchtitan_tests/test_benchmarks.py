@@ -341,6 +341,15 @@ def test_accum_numerics_combines_the_seeds_of_several_calls(tmp_path):
         accum_numerics.combine([one, two, two])
 
 
+def test_accum_numerics_starts_no_more_processes_than_the_cores_feed():
+    from accum_numerics import runs_at_once
+
+    assert runs_at_once(18, 2, 32) == 12  # 36 processes on 32 cores: most runs timed out
+    assert runs_at_once(12, 2, 32) == 12 and runs_at_once(6, 2, 16) == 6 and runs_at_once(12, 1, 16) == 12
+    assert runs_at_once(5, 1, 64) == 5  # never more than asked
+    assert runs_at_once(6, 2, 2) == 1  # at least one
+
+
 def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
     import accum_numerics
     import launch
@@ -354,6 +363,7 @@ def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
                                           ("accum_numerics.py", ["--steps", "5"]),
                                           ("accum_numerics.py", ["--local", "0"]),
                                           ("accum_numerics.py", ["--shared-gpu"]),
+                                          ("accum_numerics.py", ["--parallel", "-1"]),
                                           ("accum_numerics.py", ["--combine", "/no/such/folder"])])
 def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
