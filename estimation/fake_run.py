@@ -165,23 +165,65 @@ def _allreduce_hook(state, bucket):
     """DDP's built-in hook waits on a future the fake process group leaves empty; this one does the
     same bucket all-reduce in the configured dtype (so it is seen and timed, at its real size) and hands
     the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
-    is labelled a communication buffer here."""
+    is labelled a communication buffer here.
+
+    In the bucket's own dtype (fp32) the real run has no hook: DDP's reducer divides each gradient by
+    the ranks while copying it into its bucket (one mul_out, which the tracker counts as it counts the
+    copy_ the reducer runs here instead) and NCCL sums the bucket in place, so nothing more runs here.
+    In bf16 it runs what titanlite's bf16 hook runs: a bf16 copy, the divide, and the copy back."""
     dtype, tracker = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
-    reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
-    dist.all_reduce(reduced)
-    reduced.div_(dist.get_world_size())
-    if reduced is not buf:
+    if dtype == buf.dtype:
+        dist.all_reduce(buf)
+    else:
+        reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
+        dist.all_reduce(reduced)
+        reduced.div_(dist.get_world_size())
         buf.copy_(reduced)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
 
 
+# dist.Reducer's arguments after (params, bucket_indices, per_bucket_size_limits), as DDP passes them
+_REDUCER_ARGS = ("process_group", "expect_sparse_gradients", "bucket_bytes_cap", "find_unused_parameters",
+                 "gradient_as_bucket_view", "param_to_name_mapping", "first_bucket_bytes_cap")
+
+
+@contextlib.contextmanager
+def _buckets_as_rebuilt():
+    """DDP builds its reducer with every gradient in one bucket (before a backward it does not know the
+    order gradients become ready in) and rebuilds the buckets after the first backward: up to
+    first_bucket_bytes_cap, then bucket_bytes_cap each, over the parameters in the order their gradients
+    became ready, so from the second step on each bucket is all-reduced as soon as its gradients exist,
+    beside the rest of the backward. That rebuild agrees on the order across ranks by reading a
+    tensor's data, which fake tensors do not have (see _NoBucketRebuild), so the fake reducer is built
+    with the rebuilt layout from the start, taking the ready order as the reverse of the parameters'
+    order (DDP's own assumption for its first layout: the output head's gradient first, the input
+    embedding's last)."""
+    orig = dist.Reducer
+
+    def reducer(params, bucket_indices, per_bucket_size_limits, *rest, **kwargs):
+        named = {**dict(zip(_REDUCER_ARGS, rest)), **kwargs}
+        sparse = list(named.get("expect_sparse_gradients") or [False] * len(params))
+        cap = named.get("bucket_bytes_cap", 25 * 2**20)
+        first = named.get("first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
+        ready = list(range(len(params)))[::-1]
+        bucket_indices, per_bucket_size_limits = dist._compute_bucket_assignment_by_size(
+            [params[i] for i in ready], [first, cap], [sparse[i] for i in ready], ready)
+        return orig(params, bucket_indices, per_bucket_size_limits, *rest, **kwargs)
+
+    dist.Reducer = reducer
+    try:
+        yield
+    finally:
+        dist.Reducer = orig
+
+
 class _NoBucketRebuild:
-    """DDP re-orders its buckets once, agreeing on the order by reading a tensor's data (fake tensors
-    have none). The bucket bytes are the same in either order, so keep the first layout."""
+    """DDP rebuilds its buckets once, agreeing on the order by reading a tensor's data (fake tensors
+    have none). The fake reducer was built with the rebuilt layout (_buckets_as_rebuilt): keep it."""
 
     def __init__(self, reducer):
         self._reducer = reducer
@@ -330,7 +372,7 @@ class FakeRun:
         reduce_dtype = getattr(torch, cfg.parallelism.ddp_reduce_dtype)
         wrap_cfg = copy.deepcopy(cfg)
         wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype
-        with _ddp_without_shape_check():
+        with _ddp_without_shape_check(), _buckets_as_rebuilt():
             model = apply_ddp(model, wrap_cfg, dims)
         model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
         model.reducer = _NoBucketRebuild(model.reducer)

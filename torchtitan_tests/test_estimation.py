@@ -271,3 +271,73 @@ def test_gemm_flops_are_the_model_flops(extra):
     tokens = 2 * 32
     want = 6 * get_model_args("llama", "debug", 32768).num_params(exclude_embedding=True) * tokens
     assert sum(w.matmul_flops for w in work.values()) == pytest.approx(want, rel=0.01)
+
+
+@pytest.mark.parametrize("extra", [[], ["--training.bf16_params=false"]])
+def test_ddp_all_reduces_each_bucket_beside_the_backward(extra):
+    """ddp all-reduces its gradients bucket by bucket, in the layout DDP's reducer rebuilds after the
+    first backward (buckets of ddp_bucket_cap_mb in the order gradients become ready: the output head's
+    first, the input embedding's last), not as one collective of every gradient at the end of the
+    backward: the throughput model hides all of them behind the backward but the last."""
+    from estimation.fake_run import FakeRun
+    from estimation.throughput import Assumptions, predict
+
+    cfg = _cfg("--parallelism.data_parallel", "ddp", "--parallelism.ddp_bucket_cap_mb", "1", *extra)
+    run = FakeRun(cfg, 2)
+    try:
+        work = run.step(2).work
+        params = list(run.model.module.parameters())
+    finally:
+        run.close()
+    colls = [c for w in work.values() for c in w.collectives]
+    assert colls == work["bwd_last"].collectives  # every gradient all-reduce in the backward
+    assert {name for name, _, _ in colls} == {"allreduce_"} and all(n == 2 for _, _, n in colls)
+    moved = [b for _, b, _ in colls]  # two ranks: a ring all-reduce moves the bucket's bytes once
+    n = sum(p.numel() for p in params)
+    assert sum(moved) == pytest.approx(4 * n)  # fp32 gradients, each in one bucket
+    head, embedding = 4 * params[-1].numel(), 4 * params[0].numel()
+    assert params[-1].shape == params[0].shape and head > 2**20  # output head, input embedding: (vocab, dim)
+    assert len(moved) >= 4 and moved[0] == head  # the head alone (over the cap), ready first
+    assert embedding <= moved[-1] < embedding + 2**20  # the embedding's bucket, ready last
+    assert all(b <= 2 * 2**20 for b in moved[1:-1])  # closed once past the cap
+    # a slow GPU (seconds of backward) beside a link of 1 GB/s (milliseconds a bucket)
+    a = Assumptions(peak_tflops=0.001, hbm_tbps=2.0, link_gbps=1, attention_backend="sdpa_cudnn",
+                    attention_efficiency=0.5, gemm_efficiency=0.5, float8_efficiency=0.5, elementwise_efficiency=0.5,
+                    fused_efficiency=0.5, optimizer_efficiency=0.5, link_efficiency=1.0, launch_us=0.0)
+    terms = predict(work, a, accum=1, tokens_per_step=128, flops_per_token=1.0, world=2)["terms_ms"]
+    assert terms["comm_total"] == pytest.approx(1000 * sum(moved) / 1e9)
+    assert terms["comm_exposed"] == pytest.approx(1000 * moved[-1] / 1e9)
+
+
+def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch):
+    """With fp32 buckets DDP's reducer divides each gradient by the ranks while copying it into its
+    bucket and NCCL sums the bucket in place: against one GPU, ddp's backward adds one copy per
+    gradient and no other work (no pass over the buckets to divide them)."""
+    from collections import Counter
+
+    import estimation.tracker as tracker
+    from estimation.fake_run import FakeRun
+
+    counted = Counter()  # ops of the backward that move bytes, by name
+    orig = tracker.StepTracker._work
+
+    def work(self, func, name, args, kwargs, outs):
+        w = self.work[self.phase]
+        before = w.memory_bytes
+        orig(self, func, name, args, kwargs, outs)
+        if self.phase == "bwd_last" and w.memory_bytes > before:
+            counted[name] += 1
+
+    monkeypatch.setattr(tracker.StepTracker, "_work", work)
+    seen = {}
+    for world in (1, 2):
+        run = FakeRun(_cfg("--parallelism.data_parallel", "ddp"), world)
+        try:
+            counted.clear()  # the measured step only, not the warm-up
+            run.step(2)
+            seen[world] = Counter(counted)
+            grads = sum(1 for _ in run.model.parameters())
+        finally:
+            run.close()
+    assert seen[2] - seen[1] == Counter({"copy_": grads})
+    assert not seen[1] - seen[2]
