@@ -196,9 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         base = options(prepared, a.flavor, a.local, a.accum, a.ngpus, seed, a.warmup, a.steps, a.shared_gpu)
         return job, launch.titanlite(name, PATHS[path], a.ngpus, a.steps, 10, a.timeout, work=work, base=base)
 
-    at_once = runs_at_once(a.parallel or len(jobs), a.ngpus, os.cpu_count() or 1)
-    if at_once < (a.parallel or len(jobs)):
-        print(f"accum_numerics: {at_once} runs at once ({os.cpu_count()} CPU cores, {a.ngpus} rank(s) a run)", flush=True)
+    wanted, cores = a.parallel or len(jobs), os.cpu_count() or 1
+    at_once = runs_at_once(wanted, a.ngpus, cores)
+    if at_once < wanted:
+        print(f"accum_numerics: {at_once} runs at once ({cores} CPU cores, {a.ngpus} rank(s) a run)", flush=True)
     with ThreadPoolExecutor(at_once) as pool:
         done = list(pool.map(one, jobs))
     finals = {p: {} for p in PATHS}
