@@ -60,6 +60,11 @@ CASES = {
     "eager_b8": (1, H100_CFG, ["--training.local_batch_size", "8", "--compile.enable=false"]),
     "ddp2_b24": (2, B200_CFG, ["--training.local_batch_size", "24"]),
     "fsdp2_b8": (2, H100_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
+    # each mode at two batches, and Qwen3: the compute slowed beside the collectives (calibrated on the
+    # local-4 llama cases of ddp and fsdp, 2026-11-26; the others are held out)
+    **{f"{mode}2_b{b}": (2, H100_CFG, ["--training.local_batch_size", str(b), "--parallelism.data_parallel", mode])
+       for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
+    "qwen3_fsdp2_b8": (2, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
 }
 PROFILED = {1: ["b8", "b4_float8", "b4_bf16_params_moments"], 2: ["ddp2_b24", "fsdp2_b8"]}
 PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"]

@@ -136,7 +136,7 @@ def estimate(cfg, progress=_progress) -> dict:
     if limit >= 1 and (est.search or local <= bound):
         progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}"
                  + (", compiled" if cfg.compile.enable else ""))
-        run = FakeRun(cfg, world, attention)
+        run = FakeRun(cfg, world, attention, int(hw.memory_gib * GIB))
         try:
             def peak_of(b: int) -> int:
                 results[b] = r = run.step(b, micro_steps)

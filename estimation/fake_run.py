@@ -304,10 +304,12 @@ class MemoryHooks(StepHooks):
 class FakeRun:
     """Rank 0 of `world` ranks; `step(local_batch)` measures one optimizer step at that batch."""
 
-    def __init__(self, cfg, world: int, attention_backend: str = "sdpa"):
+    def __init__(self, cfg, world: int, attention_backend: str = "sdpa", device_memory: int | None = None):
         """`attention_backend`: the one the GPU runs (a concrete name). Its tensors are what count: a
         pinned SDPA kernel, which exists only on a GPU, runs unpinned here with its K/V expansion for
-        GQA; the flash-attn packages take GQA natively, as SDPA's enable_gqa does."""
+        GQA; the flash-attn packages take GQA natively, as SDPA's enable_gqa does. `device_memory`: the
+        GPU's bytes, where a choice depends on them (fsdp_reshard_after_forward=auto)."""
+        self.device_memory = device_memory
         self.cfg = run_cfg = copy.deepcopy(cfg)
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
         run_cfg.training.cuda_graphs = False      # capture changes no tensor; it needs a CUDA device
@@ -368,7 +370,8 @@ class FakeRun:
         """The mode's wrapper, as parallelize would apply it, fitted to fake tensors."""
         if MODES[self.mode].shards_params:
             # shown a CUDA device: FSDP's bf16 parameter policy is a GPU choice
-            return _fsdp(model, cfg, dataclasses.replace(dims, device=torch.device("cuda", 0)), self._mesh)
+            return _fsdp(model, cfg, dataclasses.replace(dims, device=torch.device("cuda", 0)), self._mesh,
+                         self.device_memory)
         reduce_dtype = getattr(torch, cfg.parallelism.ddp_reduce_dtype)
         wrap_cfg = copy.deepcopy(cfg)
         wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype

@@ -185,7 +185,7 @@ def recommend(cfg, progress=_progress) -> dict:
         if activation_floor(args, seq) > fits.budget:
             continue  # not even one sequence's block inputs fit
         c1 = _config(cfg, knobs, 1, per_rank, world)
-        run = FakeRun(c1, world, attention)
+        run = FakeRun(c1, world, attention, int(hw.memory_gib * GIB))
         try:
             r1, r2 = run.step(1, micro_steps=2), run.step(2, micro_steps=2) if per_rank > 1 else None
         finally:
@@ -243,7 +243,8 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
         pending = pending[len(batch):]
         for knobs in dict.fromkeys(c.knobs for c in batch):
             group = [c for c in batch if c.knobs == knobs]
-            run = FakeRun(_config(cfg, knobs, group[0].local, group[0].accum, world), world, attention)
+            run = FakeRun(_config(cfg, knobs, group[0].local, group[0].accum, world), world, attention,
+                          int(hw.memory_gib * GIB))
             try:
                 measured = [(c, run.step(c.local, micro_steps=2 if c.accum > 1 else 1)) for c in group]
             finally:

@@ -11,7 +11,11 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
 and never less than the host's launch time (kernels x launch_us). Collectives cost ring traffic /
 (link bandwidth x link_efficiency). Without overlap a step is compute + communication; with overlap
 the collectives hide behind forward/backward compute except the first all-gather and the last
-gradient reduction, which have nothing to hide behind, and the optimizer phase's collectives.
+gradient reduction, which have nothing to hide behind, and the optimizer phase's collectives. A
+hidden collective is not free: its kernels take SMs and memory bandwidth from the compute beside
+it, which runs longer by the collective's hidden time x a measured rate per kind of collective
+(`beside_collectives` in calibration.json: all-reduce for ddp and zero1, gather and reduce-scatter
+for fsdp and hsdp).
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
 measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
@@ -31,6 +35,10 @@ CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrat
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
          "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
 TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
+# collective op (estimation.tracker.COLLECTIVES) -> its kind in calibration.json's beside_collectives
+COLLECTIVE_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "all_reduce",
+                   "_allgather_base_": "sharded", "allgather_into_tensor_coalesced_": "sharded",
+                   "_reduce_scatter_base_": "sharded", "reduce_scatter_tensor_coalesced_": "sharded"}
 
 
 @dataclass
@@ -48,6 +56,8 @@ class Assumptions:
     link_efficiency: float
     launch_us: float
     gap_us: float = 0.0
+    # kind of collective -> ms of extra compute per ms of that collective hidden behind compute
+    beside_collectives: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
 
 
@@ -67,9 +77,12 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
         sources[name] = "estimate." + name if override > 0 else _source(entry)
     att = cal["attention"].get(attention_backend, cal["attention"]["sdpa"])
     sources["attention_efficiency"] = _source(att)
+    beside = cal.get("beside_collectives", {})
+    for kind, entry in beside.items():
+        sources[f"beside_{kind}"] = _source(entry)
     return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=link,
                        attention_backend=attention_backend, attention_efficiency=att["value"], sources=sources,
-                       **rates)
+                       beside_collectives={k: e["value"] for k, e in beside.items()}, **rates)
 
 
 def _source(entry: dict) -> str:
@@ -88,9 +101,12 @@ def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
     }
     t["gaps"] = w.ops * a.gap_us * 1e-6  # the GPU idles between dependent kernels
     t["launch"] = max(0.0, w.ops * a.launch_us * 1e-6 - sum(t.values()))  # only what the GPU cannot hide
-    comms = [moved / (a.link_gbps * 1e9 * a.link_efficiency) for _, moved, n in w.collectives if n > 1]
-    t["comm"] = sum(comms)
-    t["comm_edges"] = (comms[0] if comms else 0.0, comms[-1] if comms else 0.0)
+    comms = [(name, moved / (a.link_gbps * 1e9 * a.link_efficiency)) for name, moved, n in w.collectives if n > 1]
+    t["comm"] = sum(c for _, c in comms)
+    t["comm_edges"] = (comms[0][1] if comms else 0.0, comms[-1][1] if comms else 0.0)
+    # what hiding this phase's collectives costs the compute beside them, per second of collective
+    t["comm_slowdown"] = (sum(a.beside_collectives.get(COLLECTIVE_KIND.get(name, ""), 0.0) * c for name, c in comms)
+                          / t["comm"] if t["comm"] else 0.0)
     return t
 
 
@@ -119,7 +135,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     """Predicted step time (with and without overlap), tokens/s, MFU and the dominant term."""
     terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
-    edges = 0.0
+    edges = slowdown = 0.0  # slowdown: extra compute per second of hidden collective, comm-weighted
     for phase, w in work.items():
         n = _weights(accum).get(phase, 0)
         if not n:
@@ -134,13 +150,16 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         else:
             compute_fb += n * compute
             comm_fb += n * t["comm"]
+            slowdown += n * t["comm"] * t["comm_slowdown"]
             first, last = t["comm_edges"]
             edges += first if phase.startswith("fwd") else 0.0
             edges += last if phase == "bwd_last" else 0.0
     no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
     hidden_comm = max(0.0, comm_fb - edges)
-    overlap = max(compute_fb, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
-    terms["comm_exposed"] = max(0.0, overlap - compute_fb - compute_opt)
+    beside = hidden_comm * slowdown / comm_fb if comm_fb else 0.0  # compute slowed by the hidden collectives
+    overlap = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
+    terms["comm_exposed"] = max(0.0, overlap - compute_fb - beside - compute_opt)
+    terms["comm_beside"] = beside
     terms["comm_total"] = comm_fb + comm_opt
 
     def rate(step_s):
@@ -148,7 +167,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         return {"step_ms": 1000 * step_s, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": tps / world,
                 "mfu_pct": mfu_pct(tps, flops_per_token, world, a.peak_tflops)}
 
-    dominant = max((*TERMS, "comm_exposed"), key=lambda k: terms[k])
+    dominant = max((*TERMS, "comm_exposed", "comm_beside"), key=lambda k: terms[k])
     return {"overlap": rate(overlap), "no_overlap": rate(no_overlap),
             "terms_ms": {k: 1000 * v for k, v in terms.items()}, "dominant": dominant,
             "work": work_totals(work, accum), "assumptions": asdict(a)}

@@ -341,3 +341,60 @@ def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch):
             run.close()
     assert seen[2] - seen[1] == Counter({"copy_": grads})
     assert not seen[1] - seen[2]
+
+
+def test_fsdp_auto_reshard_follows_the_gpus_memory():
+    """fsdp_reshard_after_forward=auto: the blocks keep their gathered parameters until backward where
+    those are small beside the GPU's memory (so peak memory grows by about the gathered blocks less the
+    local shard) and free them where they are not; the fake run decides with the target GPU's memory."""
+    from estimation.fake_run import FakeRun
+    from titanlite.parallel.data_parallel import KEEP_GATHERED_SHARE, blocks_reshard
+
+    assert blocks_reshard("auto", 10, 16 * 10) is False and blocks_reshard("auto", 11, 16 * 10) is True
+    assert blocks_reshard("auto", 10, None) is True  # off CUDA: freed, as before
+    assert [blocks_reshard(s, 10, 10**9) for s in ("default", "always", "never")] == [True, True, False]
+
+    # activations dominate the peak here (at BASE's shapes the optimizer step's temporaries do)
+    cfg = load_config(["--model.flavor", "debug", "--training.seq_len", "256", "--training.local_batch_size", "8",
+                       "--parallelism.data_parallel", "fsdp"])
+    peaks = {}
+    for memory in (None, 10**12):
+        run = FakeRun(cfg, 2, device_memory=memory)
+        try:
+            peaks[memory] = run.step(8).peak_bytes
+            gathered = sum(p.numel() for p in run.model.layers.parameters()) * 2  # all blocks, bf16 (numel is global)
+        finally:
+            run.close()
+    assert gathered < KEEP_GATHERED_SHARE * 10**12
+    # kept: at the end of forward every block's gathered parameters are resident, not only the last one's
+    assert peaks[10**12] - peaks[None] >= 0.75 * gathered, (peaks, gathered)
+
+
+def test_hidden_collectives_slow_the_compute_beside_them():
+    """A calibrated share of each hidden collective's time is added to the compute it hides behind (per
+    kind: all-reduce, or gather and reduce-scatter); a run with no collective is unchanged, and a zero
+    rate gives the plain overlap model."""
+    from estimation.throughput import Assumptions, predict
+    from estimation.tracker import PhaseWork
+
+    def work(collectives):
+        w = {p: PhaseWork() for p in ("fwd_last", "bwd_last", "opt")}
+        for w_ in (w["fwd_last"], w["bwd_last"]):
+            w_.matmul_flops = 1e12
+        w["bwd_last"].collectives = collectives
+        return w
+
+    a = Assumptions(peak_tflops=1000, hbm_tbps=1, link_gbps=100, attention_backend="sdpa", attention_efficiency=1,
+                    gemm_efficiency=1, float8_efficiency=1, elementwise_efficiency=1, fused_efficiency=1,
+                    optimizer_efficiency=1, link_efficiency=1, launch_us=0,
+                    beside_collectives={"all_reduce": 0.5, "sharded": 0.25})
+    ring = [("allreduce_", 1e8, 2)] * 3  # 1 ms each on 100 GB/s: the last one stays exposed
+    plain = predict(work([]), a, 1, 1000, 1.0, 1)["overlap"]["step_ms"]
+    assert plain == pytest.approx(2.0)  # 2 TFLOP at 1000 TFLOP/s
+    step = predict(work(ring), a, 1, 1000, 1.0, 2)
+    assert step["terms_ms"]["comm_beside"] == pytest.approx(0.5 * 2.0)  # two hidden ms at 0.5
+    assert step["overlap"]["step_ms"] == pytest.approx(2.0 + 1.0 + 1.0)  # compute, slowdown, the exposed last
+    sharded = predict(work([("_reduce_scatter_base_", 1e8, 2)] * 3), a, 1, 1000, 1.0, 2)
+    assert sharded["terms_ms"]["comm_beside"] == pytest.approx(0.25 * 2.0)
+    a.beside_collectives = {}
+    assert predict(work(ring), a, 1, 1000, 1.0, 2)["overlap"]["step_ms"] == pytest.approx(3.0)

@@ -391,21 +391,6 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
             "parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not cpu with gloo")
 
 
-def test_zero_cta_policy_is_set_unless_the_user_set_one(monkeypatch, caplog):
-    from titanlite.parallel.dims import zero_cta_policy
-
-    monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
-    with caplog.at_level(logging.INFO, logger="titanlite"):
-        zero_cta_policy(rank=0)
-    assert os.environ["NCCL_CTA_POLICY"] == "2" and "NCCL_CTA_POLICY=2" in caplog.text
-    caplog.clear()
-    monkeypatch.setenv("NCCL_CTA_POLICY", "1")
-    with caplog.at_level(logging.INFO, logger="titanlite"):
-        zero_cta_policy(rank=0)
-    assert os.environ["NCCL_CTA_POLICY"] == "1"
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "NCCL_CTA_POLICY=1 is kept" in caplog.text
-
-
 def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):
     import torch._inductor.config as inductor_config
 

@@ -124,13 +124,16 @@ class Parallelism:
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (a comm hook: cast to bf16, "
                    "divide by the ranks, all-reduce, copy back into the fp32 bucket)")
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = doc(
-        "default", "fsdp: free gathered params after forward (default = all but the root)")
+    fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = doc(
+        "auto", "fsdp/hsdp: free gathered params after forward (default = all but the root; auto = as default, "
+                "except that the blocks keep theirs when all their gathered params take at most 1/16 of the "
+                "GPU's memory, which saves backward's second gather)")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")
     fsdp_copy_engine_all_gather: bool = doc(
         False, "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory under NCCL's zero-CTA policy, "
-               "so the GPU's copy engines move them over NVLink and the SMs stay with the GEMMs "
-               "(sets NCCL_CTA_POLICY=2 unless it is set; needs NCCL >= 2.28 symmetric memory)")
+               "so the GPU's copy engines move them over NVLink and the SMs stay with the GEMMs; the gathers "
+               "get a communicator of their own, the reduce-scatters keep SM kernels (needs NCCL >= 2.28 "
+               "symmetric memory)")
 
 
 @dataclass

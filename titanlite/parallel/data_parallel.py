@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 
 import torch
 import torch.nn as nn
@@ -60,31 +61,55 @@ def bf16_allreduce_hook(group, bucket):
     return fut.then(unpack)
 
 
-def _fsdp(model: nn.Module, cfg, dims, mesh) -> nn.Module:
-    """fully_shard each TransformerBlock, then the root (embedding, final norm, output)."""
+# fsdp_reshard_after_forward=auto: the blocks keep their gathered parameters from forward to backward
+# when all of them together take at most this share of the GPU's memory
+KEEP_GATHERED_SHARE = 1 / 16
+
+
+def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None) -> bool:
+    """Do the blocks free their gathered parameters after forward (parallelism.fsdp_reshard_after_forward)?
+    Freeing saves `gathered_bytes` (less this rank's shard) until backward, which then gathers every block
+    a second time: on 2 x H200 keeping them made LLaMA 1.36B 2-3% faster for 2.1 GiB more
+    (docs/performance.md). `auto` keeps them where they are small beside the GPU's memory
+    (`device_memory`, None off CUDA: freed, as `default`)."""
+    if setting == "auto":
+        return device_memory is None or gathered_bytes > KEEP_GATHERED_SHARE * device_memory
+    return setting != "never"
+
+
+def _fsdp(model: nn.Module, cfg, dims, mesh, device_memory: int | None = None) -> nn.Module:
+    """fully_shard each TransformerBlock, then the root (embedding, final norm, output). `device_memory`:
+    the GPU's bytes, for fsdp_reshard_after_forward=auto."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = cfg.parallelism
     # bf16 compute: the policy gathers bf16 copies of the fp32 shards and reduce-scatters the gradients in
     # fsdp_reduce_dtype (fp32 by default), what training.bf16_params does with copies in the other modes
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if computes_bf16(cfg, dims.device.type) else None,
+    bf16 = computes_bf16(cfg, dims.device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=getattr(torch, p.fsdp_reduce_dtype))
-    # default: blocks free their gathered params after forward (re-gathered in backward); the root
-    # keeps them, because backward starts with the output layer right away.
-    block_reshard = p.fsdp_reshard_after_forward != "never"
+    gathered = sum(q.numel() for q in model.layers.parameters()) * (2 if bf16 else 4)
+    block_reshard = blocks_reshard(p.fsdp_reshard_after_forward, gathered, device_memory)
+    if p.fsdp_reshard_after_forward == "auto" and dims.rank == 0:
+        logging.getLogger("titanlite").info(
+            f"parallelism.fsdp_reshard_after_forward=auto: the blocks {'free' if block_reshard else 'keep'} their "
+            f"gathered parameters after forward ({gathered / 2**30:.2f} GiB gathered"
+            + (f", {gathered / device_memory:.1%} of the GPU's memory)" if device_memory else ", not on a GPU)"))
+    # the root keeps its parameters unless told otherwise: backward starts with the output layer right away
     root_reshard = p.fsdp_reshard_after_forward == "always"
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     if p.fsdp_copy_engine_all_gather:
-        copy_engine_all_gather(model, dims, mesh.get_group("dp_shard"))
+        copy_engine_all_gather(model, dims, mesh)
     return model
 
 
-def copy_engine_all_gather(model: nn.Module, dims, gather_group) -> None:
-    """Every FSDP module gathers into NCCL symmetric memory. Under the zero-CTA policy (set before the
-    communicator was made, in init_distributed) NCCL then moves the bytes with the copy engines
-    instead of SM kernels, so the gathers stop taking SMs from the GEMMs they overlap."""
+def copy_engine_all_gather(model: nn.Module, dims, mesh) -> None:
+    """Every FSDP module gathers into NCCL symmetric memory, over a communicator of its own made under
+    NCCL's zero-CTA policy: NCCL then moves the gathered bytes with the copy engines instead of SM
+    kernels, so the gathers stop taking SMs from the GEMMs they overlap, while the reduce-scatters
+    keep the job's communicator and its full share of SMs."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -92,19 +117,35 @@ def copy_engine_all_gather(model: nn.Module, dims, gather_group) -> None:
     if dims.device.type != "cuda" or backend != "nccl":
         raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not "
                           f"{dims.device.type} with {backend or 'no process group'}")
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if hasattr(FSDPModule, "set_symm_mem_for_comm"):  # torch 2.13 has it
-        for m in modules:
-            m.set_symm_mem_for_comm("NCCL")
-        return
-    comm = _symmetric_all_gather(gather_group)  # torch 2.11: the same through FSDP's custom all-gather hook
-    for m in modules:
-        m.set_custom_all_gather(comm)
+    comm = _symmetric_all_gather(_zero_cta_group(mesh, "dp_shard"))
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(comm)
+
+
+def _zero_cta_group(mesh, dim: str):
+    """This rank's group along mesh dimension `dim`, as a new NCCL communicator under the zero-CTA policy.
+    Every rank makes every group of the dimension (new_group is collective over the whole job)."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupNCCL.Options()
+    zero = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", None)
+    if zero is None or not hasattr(opts.config, "cta_policy"):
+        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL's per-communicator CTA policy, which "
+                          f"torch {torch.__version__} does not expose")
+    opts.config.cta_policy = zero
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(dim), -1).reshape(-1, mesh.size(mesh.mesh_dim_names.index(dim)))
+    mine = None
+    for row in ranks.tolist():
+        group = dist.new_group(ranks=row, backend="nccl", pg_options=opts)
+        if dist.get_rank() in row:
+            mine = group
+    return mine
 
 
 def _symmetric_all_gather(gather_group):
-    """An FSDP all-gather whose output buffers come from NCCL's symmetric-memory pool and are
-    registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
+    """An FSDP all-gather over `gather_group` whose output buffers come from NCCL's symmetric-memory pool
+    and are registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -117,7 +158,7 @@ def _symmetric_all_gather(gather_group):
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL symmetric memory and FSDP's custom "
                           f"all-gather, which torch {torch.__version__} lacks")
     symm_mem.set_backend("NCCL")
-    # The gather group's communicator (hsdp: the shard group's) must exist before the first rendezvous.
+    # The gather communicator must exist before the first rendezvous.
     dist.barrier(group=gather_group)
 
     class SymmetricAllGather(AllGather):
@@ -127,8 +168,9 @@ def _symmetric_all_gather(gather_group):
                 return torch.empty(size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            symm_mem.rendezvous(output_tensor, group=group.group_name)
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            # FSDP passes its own group (the job's communicator, SM kernels): gather over ours instead
+            symm_mem.rendezvous(output_tensor, group=gather_group.group_name)
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=gather_group, async_op=async_op)
 
     return SymmetricAllGather()
 
@@ -137,7 +179,7 @@ def apply_fsdp(model: nn.Module, cfg, dims) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dims.device.type, (dims.world_size,), mesh_dim_names=("dp_shard",))
-    return _fsdp(model, cfg, dims, mesh)
+    return _fsdp(model, cfg, dims, mesh, _device_memory(dims))
 
 
 def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -146,7 +188,11 @@ def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
 
     shape = hsdp_shape(cfg, dims.world_size)
     mesh = init_device_mesh(dims.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return _fsdp(model, cfg, dims, mesh)
+    return _fsdp(model, cfg, dims, mesh, _device_memory(dims))
+
+
+def _device_memory(dims) -> int | None:
+    return torch.cuda.get_device_properties(dims.device).total_memory if dims.device.type == "cuda" else None
 
 
 # zero1 is DDP for gradients; its optimizer-state sharding lives in titanlite.optim.
@@ -201,13 +247,22 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
 
     if optimizer is not None and fused_clip_supported(optimizer):
         by_dtype = {}  # bf16 and fp32 with float8 under training.bf16_params
-        for p in model.parameters():
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g.to_local() if isinstance(g, DTensor) else g)
         # one list per dtype: torch's multi-tensor kernel takes lists of one dtype, and a mixed list
         # falls back to one reduction per tensor; fp32 sums either way
-        norms = [n for grads in by_dtype.values() for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
+        norms = [n for local in by_dtype.values() for n in torch._foreach_norm(local, 2, dtype=torch.float32)]
         norm = torch.linalg.vector_norm(torch.stack(norms))
+        shards = next((g for g in grads if isinstance(g, DTensor)), None)
+        if shards is not None:  # FSDP: the local shards' norm; the squares summed over the sharded mesh dims
+            import torch.distributed as dist
+
+            squares = norm.square()
+            for dim, placement in enumerate(shards.placements):
+                if placement.is_shard():
+                    dist.all_reduce(squares, group=shards.device_mesh.get_group(dim))
+            norm = squares.sqrt()
         if max_norm > 0:  # same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
             optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
         if skip_nonfinite:

@@ -60,23 +60,5 @@ def init_distributed(cfg) -> ParallelDims:
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        if backend == "nccl" and cfg.parallelism.fsdp_copy_engine_all_gather:
-            zero_cta_policy(rank)
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))
-
-
-def zero_cta_policy(rank: int) -> None:
-    """parallelism.fsdp_copy_engine_all_gather: NCCL takes the copy-engine path only on a communicator
-    made under its zero-CTA policy, read from NCCL_CTA_POLICY when the communicator is created. A value
-    the user set is kept, with a warning that the gathers will then run as SM kernels."""
-    log = logging.getLogger("titanlite")
-    have = os.environ.get("NCCL_CTA_POLICY")
-    if have is None:
-        os.environ["NCCL_CTA_POLICY"] = "2"
-        if rank == 0:
-            log.info("parallelism.fsdp_copy_engine_all_gather: NCCL_CTA_POLICY=2 (zero-CTA policy, for every "
-                     "collective of the job)")
-    elif have.strip().upper() not in ("2", "ZERO") and rank == 0:
-        log.warning(f"parallelism.fsdp_copy_engine_all_gather: NCCL_CTA_POLICY={have} is kept as set, so NCCL "
-                    f"gathers with SM kernels, not copy engines; unset it or set 2")
