@@ -62,7 +62,7 @@ CASES = {
     "fsdp2_b8": (2, H100_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
     # each mode at two batches, and Qwen3: the compute slowed beside the collectives (calibrated on the
     # local-4 llama cases of ddp and fsdp, 2026-11-26; the others are held out)
-    **{f"{mode}2_b{b}": (2, H100_CFG, ["--training.local_batch_size", str(b), "--parallelism.data_parallel", mode])
+    **{f"{mode}{'_' if mode[-1].isdigit() else ''}2_b{b}": (2, H100_CFG, ["--training.local_batch_size", str(b), "--parallelism.data_parallel", mode])
        for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
     "qwen3_fsdp2_b8": (2, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
 }

@@ -355,8 +355,9 @@ class FakeRun:
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
             # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
-            if hasattr(self.optimizer, "update_fn"):
-                self.optimizer.update_fn = functools.partial(_one_pass_update, self.tracker)
+            local = getattr(self.optimizer, "optim", self.optimizer)  # zero1: the rank's own MasterAdamW
+            if hasattr(local, "update_fn"):
+                local.update_fn = functools.partial(_one_pass_update, self.tracker)
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
             # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU)
             autocast = "cpu" if autocasts(run_cfg, world) else None
@@ -404,6 +405,9 @@ class FakeRun:
             t.count_work = True
             t.reset_peak()
             self._step(local_batch, self.seq_len, micro_steps)
+            if MODES[self.mode].optimizer == "zero" and "opt" in t.work:
+                # ZeroRedundancyOptimizer steps, broadcasts and re-syncs parameter by parameter on the host
+                t.work["opt"].host_params = sum(len(g["params"]) for g in self.optimizer.param_groups)
             return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ gradient reduction, which have nothing to hide behind, and the optimizer phase's
 hidden collective is not free: its kernels take SMs and memory bandwidth from the compute beside
 it, which runs longer by the collective's hidden time x a measured rate per kind of collective
 (`beside_collectives` in calibration.json: all-reduce for ddp and zero1, gather and reduce-scatter
-for fsdp and hsdp).
+for fsdp and hsdp). The step is never shorter than the host's time for it: its kernel launches, plus
+zero1's optimizer step, which ZeroRedundancyOptimizer runs parameter by parameter on the host
+(`host_param_us` per parameter tensor); at small batches that host time is the step.
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
 measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
@@ -33,7 +35,7 @@ from estimation.hardware import GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
-         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
+         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us", "host_param_us")
 TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
 # collective op (estimation.tracker.COLLECTIVES) -> its kind in calibration.json's beside_collectives
 COLLECTIVE_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "all_reduce",
@@ -56,6 +58,7 @@ class Assumptions:
     link_efficiency: float
     launch_us: float
     gap_us: float = 0.0
+    host_param_us: float = 0.0  # host time per parameter tensor of a host-side per-parameter loop (zero1)
     # kind of collective -> ms of extra compute per ms of that collective hidden behind compute
     beside_collectives: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
@@ -136,11 +139,13 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
     edges = slowdown = 0.0  # slowdown: extra compute per second of hidden collective, comm-weighted
+    host = 0.0  # the host's time for the step: kernel launches and per-parameter loops
     for phase, w in work.items():
         n = _weights(accum).get(phase, 0)
         if not n:
             continue
         t = _phase_times(w, a, optimizer=phase == "opt")
+        host += n * (w.ops * a.launch_us + w.host_params * a.host_param_us) * 1e-6
         compute = sum(t[k] for k in terms)
         for k in terms:
             terms[k] += n * t[k]
@@ -154,12 +159,14 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
             first, last = t["comm_edges"]
             edges += first if phase.startswith("fwd") else 0.0
             edges += last if phase == "bwd_last" else 0.0
-    no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
+    no_overlap = max(compute_fb + comm_fb + compute_opt + comm_opt, host)
     hidden_comm = max(0.0, comm_fb - edges)
     beside = hidden_comm * slowdown / comm_fb if comm_fb else 0.0  # compute slowed by the hidden collectives
-    overlap = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
-    terms["comm_exposed"] = max(0.0, overlap - compute_fb - beside - compute_opt)
+    gpu = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
+    overlap = max(gpu, host)
+    terms["comm_exposed"] = max(0.0, gpu - compute_fb - beside - compute_opt)
     terms["comm_beside"] = beside
+    terms["host_bound"] = overlap - gpu  # what the host's time adds over the GPU's
     terms["comm_total"] = comm_fb + comm_opt
 
     def rate(step_s):
@@ -167,7 +174,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         return {"step_ms": 1000 * step_s, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": tps / world,
                 "mfu_pct": mfu_pct(tps, flops_per_token, world, a.peak_tflops)}
 
-    dominant = max((*TERMS, "comm_exposed", "comm_beside"), key=lambda k: terms[k])
+    dominant = max((*TERMS, "comm_exposed", "comm_beside", "host_bound"), key=lambda k: terms[k])
     return {"overlap": rate(overlap), "no_overlap": rate(no_overlap),
             "terms_ms": {k: 1000 * v for k, v in terms.items()}, "dominant": dominant,
             "work": work_totals(work, accum), "assumptions": asdict(a)}

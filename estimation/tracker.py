@@ -89,6 +89,7 @@ class PhaseWork:
     fused_bytes: float = 0.0        # bytes read + written by compiled graphs' generated kernels
     ops: int = 0                    # kernels launched
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
+    host_params: int = 0            # parameters a host-side loop walks one by one (ZeroRedundancyOptimizer's step)
 
 
 def _sharding_propagator():

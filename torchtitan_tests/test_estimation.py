@@ -398,3 +398,32 @@ def test_hidden_collectives_slow_the_compute_beside_them():
     assert sharded["terms_ms"]["comm_beside"] == pytest.approx(0.25 * 2.0)
     a.beside_collectives = {}
     assert predict(work(ring), a, 1, 1000, 1.0, 2)["overlap"]["step_ms"] == pytest.approx(3.0)
+
+
+def test_zero1_step_is_never_shorter_than_its_host_loop():
+    """zero1's optimizer step walks the parameters one by one on the host: the fake run records how many
+    (ddp records none), and a step whose host time exceeds the GPU's takes the host's time."""
+    import dataclasses
+
+    from estimation.fake_run import FakeRun
+    from estimation.throughput import assumptions, predict
+    from estimation.hardware import get_hardware
+
+    steps = {}
+    for mode in ("ddp", "zero1"):
+        run = FakeRun(_cfg("--parallelism.data_parallel", mode), 2)
+        try:
+            r = run.step(2)
+            n_params = len(list(run.model.parameters()))
+        finally:
+            run.close()
+        steps[mode] = r
+    assert steps["ddp"].work["opt"].host_params == 0
+    assert steps["zero1"].work["opt"].host_params == n_params
+    a = assumptions(_cfg().estimate, get_hardware("h100"), 2, "sdpa")
+    work = steps["zero1"].work
+    gpu_only = predict(work, dataclasses.replace(a, host_param_us=0.0, launch_us=0.0), 1, 64, 1.0, 2)
+    slow_host = predict(work, dataclasses.replace(a, host_param_us=1e4, launch_us=0.0), 1, 64, 1.0, 2)
+    assert gpu_only["terms_ms"]["host_bound"] == 0.0
+    assert slow_host["overlap"]["step_ms"] == pytest.approx(n_params * 10.0)  # 10 ms a parameter
+    assert slow_host["dominant"] == "host_bound"
