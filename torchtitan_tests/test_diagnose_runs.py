@@ -159,6 +159,8 @@ def test_cli_on_real_logs(logs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "titanlite.diagnose", str(logs["clean1"]), str(logs["shared"]),
                         "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("verdict: compute_stall"), r.stdout + r.stderr
-    assert (out / "report.md").read_text().startswith("# Scaling diagnosis\n\n**Verdict: `compute_stall`**")
-    assert json.loads((out / "report.json").read_text())["verdict"] == "compute_stall"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["verdict"] == "compute_stall"
+    first = (out / "report.md").read_text().splitlines()[0].split()
+    assert "compute_stall," in first and first[-1] == rep["confidence"]
     assert (out / "ranks.png").stat().st_size > 0
