@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from titanlite.diagnose import diagnose
+from titanlite.diagnose import Settings, diagnose
 from titanlite.diagnose.runs import load_run
 
 from conftest import ROOT
@@ -334,3 +334,147 @@ def test_cli_report_and_exit_codes(tmp_path):
         assert "Traceback" not in r.stderr
     r = run_cli("--out", str(tmp_path / "x"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ what the logs determine
+def json_log(path, gpus, micro, printed_accum, per_gpu, *, local=16, seq=2048, mfu_peak=2250.0, fpt=8.34e9,
+             hardware=None, params=None, entries=11):
+    """The earlier trainer's JSON run log as its users' snippets read it: startup_info.config and
+    training_iterations only (no GPU name, no parameter count unless given). The run really ran
+    `micro` micro-steps per GPU per step at `per_gpu` tokens/s per GPU; its config prints
+    `printed_accum`; its tokens/s (all GPUs) and MFU are right."""
+    step_ms = 1000 * local * micro * seq / per_gpu
+    its = []
+    for i in range(entries):
+        it = 10 * i
+        t = step_ms * (20 if it == 0 else 1 + 0.002 * (i % 3 - 1))
+        its.append({"iter": it, "loss": 3.0, "dt_ms": t, "tokens_per_sec": per_gpu * gpus * step_ms / t,
+                    "mfu": 100 * per_gpu * fpt / (mfu_peak * 1e12) * step_ms / t})
+    start = {"config": {"world_size": gpus, "batch_size": local, "gradient_accumulation_steps": printed_accum,
+                        "block_size": seq, "compile": True}}
+    if hardware:
+        start["hardware"] = hardware
+    if params:
+        start["model"] = {"params": params}
+    path.write_text(json.dumps({"startup_info": start, "training_iterations": its}))
+    return str(path)
+
+
+def measured_agree(run_reading) -> bool:
+    return all(f["agrees"] for f in run_reading["facts"] if f["source"] in ("rates", "tokens seen"))
+
+
+def test_seed_json_without_gpu_or_model_reads_what_its_figures_say(tmp_path):
+    """The users' 2 -> 8 B200 JSON logs without GPU, model or flags: each GPU ran 4 micro-steps (the
+    printed 32 is neither that nor 32 / GPUs at 2 GPUs), which tokens/s x step time / (batch x seq x
+    GPUs) says. The reading that agrees with the log's rates is chosen, there is no scaling loss, and
+    since the dense-peak check could not run, the confidence is not high and the report's first lines
+    name the flags that would settle it."""
+    a = json_log(tmp_path / "b2.json", 2, 4, 32, 106_968.0)
+    b = json_log(tmp_path / "b8.json", 8, 4, 32, 106_968.0)
+    rep = report(tmp_path, a, b)
+    runs = rep["reconstruction"]["runs"]
+    assert [r["micro_steps_per_step"] for r in runs] == [4, 4]
+    assert [r["tokens_per_sec_per_gpu"] for r in runs] == pytest.approx([106_968.0] * 2, rel=0.01)
+    assert all(measured_agree(r) for r in runs), [r["why"] for r in runs]
+    assert rep["verdict"] != "compute_stall" and "compute_stall" not in kinds(rep)
+    assert rep["confidence"] != "high"
+    assert "--hardware" in rep["settle_with"] and "--model" in rep["settle_with"]
+    head = "\n".join((tmp_path / "out" / "report.md").read_text().splitlines()[:4])
+    assert "--hardware" in head and "--model" in head
+    flagged = diagnose([a, b], tmp_path / "flagged", settings=Settings(hardware="b200", model="llama/1.36B"))
+    assert flagged.verdict == rep["verdict"] and flagged.confidence == "high"
+    assert [r.micro_steps_per_step for r in flagged.reconstruction.runs] == [4, 4]
+
+
+def test_inferred_accumulation_on_another_pair(tmp_path):
+    """1 -> 4 H100 logs of another trainer: each GPU ran 3 micro-steps of 8 x 4096 tokens (printed 6:
+    neither 3 nor 6 / 4), the GPU named but not the model, and the 4-GPU run really is slower per GPU
+    (60%). The accumulation is inferred from the rates, the loss is still found, and with the model
+    unknown the all-reduce cannot be estimated: no ratio over it, and the confidence is not high."""
+    h100 = {"gpu_name": "NVIDIA H100 80GB HBM3"}
+    a = json_log(tmp_path / "one.json", 1, 3, 6, 40_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    b = json_log(tmp_path / "four.json", 4, 3, 6, 24_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    rep = report(tmp_path, a, b)
+    runs = rep["reconstruction"]["runs"]
+    assert [r["micro_steps_per_step"] for r in runs] == [3, 3]
+    assert all(measured_agree(r) for r in runs), [r["why"] for r in runs]
+    assert rep["verdict"] == "compute_stall"
+    stall = rep["findings"][0]
+    assert "expected_allreduce_ms" not in stall["evidence"]
+    assert "x what" not in stall["title"]  # no multiple of an all-reduce that was never estimated
+    assert rep["confidence"] != "high" and "--model" in rep["settle_with"]
+    assert any(c["cause"] == "model_unknown" for c in rep["confidence_causes"])
+
+
+def test_no_ratio_over_an_all_reduce_of_zero(tmp_path):
+    """A stall at the same world size's all-reduce (1 -> 2 GPUs of a model with a known size) prints the
+    all-reduce's estimate, and the ratio it prints is the excess over it."""
+    a = make_log(tmp_path / "a.json", 1, 1000.0)
+    b = make_log(tmp_path / "b.json", 2, 3000.0)
+    rep = report(tmp_path, a, b)
+    stall = rep["findings"][0]
+    assert rep["verdict"] == "compute_stall" and stall["evidence"]["expected_allreduce_ms"] > 0
+    ratio = stall["evidence"]["excess_ms_per_step"] / stall["evidence"]["expected_allreduce_ms"]
+    assert f"{ratio:,.0f}x" in stall["title"]
+
+
+def cpu_log(path, world, step_ms, threads, *, host=True):
+    """A titanlite run log of a CPU run (gloo), with the host facts the run log records."""
+    make_log(path, world, step_ms, accum=1, local=4, seq=64)
+    log = json.loads(path.read_text())
+    log["startup_info"]["hardware"] = {"device": "cpu", "name": "cpu", "count": world}
+    log["startup_info"]["config"]["model.flavor"] = "debug"
+    log["startup_info"]["model"] = {"name": "llama", "flavor": "debug", "params": 1_377_408}
+    for e in log["training_iterations"]:
+        del e["tflops"], e["mfu"]
+    if host:
+        log["startup_info"]["hardware"]["host"] = {"cpus": 2, "threads_per_process": threads, "data_workers": 0}
+    path.write_text(json.dumps(log))
+    return str(path)
+
+
+def test_cpu_pair_with_torchruns_thread_default_is_no_compute_stall(tmp_path):
+    """1 and 2 CPU processes on 2 cores: the one process used both cores, torchrun gave each of the two
+    one thread, and the step took 2.04x as long. That is not a stall: the runs differ in threads per
+    process, and the advice speaks of threads and CPUs, not GPUs."""
+    a = cpu_log(tmp_path / "a.json", 1, 100.0, threads=2)
+    b = cpu_log(tmp_path / "b.json", 2, 204.0, threads=1)
+    rep = report(tmp_path, a, b)
+    assert rep["verdict"] != "compute_stall" and "compute_stall" not in kinds(rep)
+    assert rep["verdict"] == "config_mismatch"
+    assert rep["findings"][0]["evidence"]["threads_per_process"] == [2, 1]
+    row = next(r for r in rep["like_for_like"] if r["key"] == "threads_per_process")
+    assert row["values"] == [2, 1] and not row["same"]
+    assert "nvidia-smi" not in rep["findings"][0]["next_check"] and "OMP_NUM_THREADS" in rep["findings"][0]["next_check"]
+    # the same threads per process: a real per-process slowdown is a stall, with CPU advice
+    c = cpu_log(tmp_path / "c.json", 1, 100.0, threads=1)
+    rep = report(tmp_path, c, b)
+    assert rep["verdict"] == "compute_stall" and "nvidia-smi" not in rep["findings"][0]["next_check"]
+    # logs without the host facts: the stall cannot rule out fewer threads, so it is not high
+    rep = report(tmp_path, cpu_log(tmp_path / "d.json", 1, 100.0, 2, host=False),
+                 cpu_log(tmp_path / "e.json", 2, 204.0, 1, host=False))
+    assert rep["verdict"] == "compute_stall" and rep["confidence"] != "high"
+    assert any(c["cause"] == "host_unknown" for c in rep["confidence_causes"])
+
+
+@pytest.mark.parametrize("case", ["healthy", "warmup_only", "no_step_time", "unknown_gpu"])
+def test_first_line_is_the_verdict_with_the_bodys_confidence(tmp_path, case):
+    """Whatever the confidence, the report's first line names the verdict and that confidence, and no
+    other level (a finding's severity) that could be taken for it."""
+    a = make_log(tmp_path / "a.json", 2, 900.0)
+    b = make_log(tmp_path / "b.json", 4, 910.0 if case != "warmup_only" else 900.0,
+                 entries=1 if case == "warmup_only" else 12)
+    if case == "no_step_time":
+        log = json.loads((tmp_path / "b.json").read_text())
+        for e in log["training_iterations"]:
+            del e["time_ms"]
+        (tmp_path / "b.json").write_text(json.dumps(log))
+    if case == "unknown_gpu":
+        a = json_log(tmp_path / "a2.json", 2, 4, 4, 50_000.0)
+        b = json_log(tmp_path / "b2.json", 8, 4, 4, 30_000.0)
+    rep = report(tmp_path, a, b)
+    verdicts, levels = first_line_claims(tmp_path, rep)
+    assert verdicts == {rep["verdict"]} and levels == {rep["confidence"]}
+    assert rep["confidence"] == {"healthy": "high", "warmup_only": "low", "no_step_time": "medium",
+                                 "unknown_gpu": "medium"}[case]

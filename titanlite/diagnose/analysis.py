@@ -749,7 +749,10 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
     for r in runs:
         if not trusted(r, rec):
             continue
-        if mode not in ("not_comparable", "single_run") and r is not base and trusted(base, rec):
+        # runs that differ in more than the world size are no scaling: no growth is measured across them
+        comparable = mode not in ("not_comparable", "single_run") and not any(f.kind == "config_mismatch"
+                                                                              for f in findings)
+        if comparable and r is not base and trusted(base, rec):
             if r.has_breakdown and base.has_breakdown:
                 findings += phase_growth(base, r, th, gbps[r.label], effs[r.label])
             else:
