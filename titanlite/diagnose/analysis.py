@@ -110,7 +110,7 @@ class Reason:
     """Why the confidence is not higher; `flags`: the diagnose flags that would let the check run."""
     run: str
     cause: str   # warmup_only | few_entries | no_step_time | impossible | suspect | gpu_unknown | model_unknown
-                 # | ambiguous | host_unknown
+                 # | ambiguous | allreduce_unknown | host_unknown
     level: int   # 1: medium at most, 2: low
     text: str
     flags: tuple[str, ...] = ()
@@ -657,24 +657,24 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
                               f"{rr.label}: its figures imply only {100 * rr.dense_peak_share:.1f}% of the dense bf16 "
                               "peak, too little for a GPU that is not starved: a figure may be wrong in a way no "
                               "reading covers"))
-        elif rr.plausibility == "unchecked" and rr.gpu != "cpu" and rr.label in on_gpu:
-            missing = [what for what, known in (("the GPU", rr.peak_tflops_dense), ("the model", rr.flops_per_token))
-                       if not known]
-            flags = tuple(f for f, known in ((HARDWARE_FLAG, rr.peak_tflops_dense), (MODEL_FLAG, rr.flops_per_token))
-                          if not known)
+        unchecked = rr.plausibility == "unchecked" and rr.gpu != "cpu" and rr.label in on_gpu
+        missing = [what for what, known in (("the GPU", rr.peak_tflops_dense), ("the model", rr.flops_per_token))
+                   if not known] if unchecked else []
+        flags = tuple(f for f, known in ((HARDWARE_FLAG, rr.peak_tflops_dense), (MODEL_FLAG, rr.flops_per_token))
+                      if not known) if unchecked else ()
+        if unchecked:
             why.append(Reason(rr.label, "gpu_unknown" if not rr.peak_tflops_dense else "model_unknown", 1,
                               f"{rr.label}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not known "
                               f"({rr.gpu or 'not in the log'}), so no reading could be checked against the dense "
                               f"peak (pass {' and '.join(f.split()[0] for f in flags)})", flags))
         if rr.ambiguous_with:
             why.append(Reason(rr.label, "ambiguous", 1, f"{rr.label}: another reading fits its log as well "
-                                                        f"({'; '.join(rr.ambiguous_with)})",
-                              (HARDWARE_FLAG, MODEL_FLAG) if rr.plausibility == "unchecked" and rr.label in on_gpu else ()))
+                                                        f"({'; '.join(rr.ambiguous_with)})", flags))
     top = findings[0].kind if findings else ""
     if top in ("compute_stall", "communication") and len(runs) > 1:
         for r in runs:
             if gradient_bytes(r) is None:
-                why.append(Reason(r.label, "model_unknown", 1, f"{r.label}: the model's size is not known, so the "
+                why.append(Reason(r.label, "allreduce_unknown", 1, f"{r.label}: the model's size is not known, so the "
                                   "all-reduce's cost could not be told apart from compute (pass --model)", (MODEL_FLAG,)))
     if top == "compute_stall" and len(runs) > 1 and all(r.device == "cpu" for r in runs):
         for r in runs:
