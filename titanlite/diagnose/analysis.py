@@ -12,6 +12,12 @@ than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges:
 than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
 rank, and the others' waits for it, show up as a `straggler` and nowhere else.
 
+Every result is a typed record: `Finding` (kind, severity, title, evidence, next check), `Setting` (a
+like-for-like row), `Check` (a recomputed figure), `Loss` (where a healthy run's efficiency goes) and
+`Reason` (why the confidence is lower, with the flags that would settle it). Each figure has one
+function (gradient_bytes, allreduce_ms, allreduce_extra_ms, predicted_step_ms); figures measured on
+benchmarks live in docs/diagnosis.md, which the advice points to.
+
 Findings rest only on trusted figures: the work per step is the reconstruction's (reconstruct.py),
 and a run whose only entries are warm-up, or that no physically possible reading explains, takes
 part in no stall, communication or straggler finding.
