@@ -5,6 +5,8 @@ batch, a kernel profile.
                                                          # and the recommendation's top pick
     python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: ddp at local batch 24 (B200 config), fsdp at 8
     python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
+    python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
+                                                         # full x LLaMA 1.36B and Qwen3 1.8B, two batches each
 
 Each measured case is the real trainer (synthetic data, 8 steps) started through benchmarks/launch.py:
 the one-GPU cases one after another in one worker process, each OOM probe and multi-GPU case in a
@@ -41,6 +43,7 @@ import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 H100_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_h100.toml")
 B200_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_b200.toml")
 QWEN_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_b200.toml")
+QWEN_H100_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_1xh100.toml")
 RUN = ["--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false",
        "--training.dataset", "synthetic", "--data.num_workers", "0", "--compile.enable"]
 STEPS, LOG_FREQ, SKIP = 12, 2, 8  # steady state: the log steps after step 8 (compile and the profile fall before it)
@@ -66,6 +69,21 @@ CASES = {
        for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
     "qwen3_fsdp2_b8": (2, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
 }
+
+# Activation checkpointing across both model families (LLaMA: MHA; Qwen3: GQA and QK-norm), compiled, one
+# accumulation-free step shape per row, two batches per mode that fit one 80 GB GPU. Memory is the point:
+# few steps (SWEEP_STEPS, the last SWEEP_SKIP.. of them timed).
+def _sweep() -> dict:
+    rows = {"llama": (H100_CFG, {"none": (8, 16), "selective": (8, 20), "full": (16, 48)}),
+            "qwen3": (QWEN_H100_CFG, {"none": (4, 8), "selective": (8, 16), "full": (16, 32)})}
+    return {f"ac_{model}_{mode}_b{b}": (1, cfg, ["--training.local_batch_size", str(b), "--training.global_batch_size",
+                                                 "-1", "--activation_checkpoint.mode", mode])
+            for model, (cfg, modes) in rows.items() for mode, batches in modes.items() for b in batches}
+
+
+AC_SWEEP = _sweep()
+SWEEP_STEPS, SWEEP_SKIP = 6, 3
+ALL_CASES = {**CASES, **AC_SWEEP}
 PROFILED = {1: ["b8", "b4_float8", "b4_bf16_params_moments"], 2: ["ddp2_b24", "fsdp2_b8"]}
 PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"]
 RECOMMEND_TARGET = 32  # sequences of 2048 tokens per step on 1 GPU
@@ -137,16 +155,17 @@ def worker(names: list[str], profiled: list[str], results_file: str) -> None:
 
     done = {}
     for n in names:
-        _, config, ov = CASES[n]
+        _, config, ov = ALL_CASES[n]
         extra = PROFILE if n in profiled else []
         folder = str(launch.WORK / n)
+        steps, log_freq, skip = (SWEEP_STEPS, 1, SWEEP_SKIP) if n in AC_SWEEP else (STEPS, LOG_FREQ, SKIP)
         t0 = time.time()
         try:
-            train.main(base_args(config, ov) + extra + ["--training.steps", str(STEPS), "--metrics.log_freq",
-                                                        str(LOG_FREQ), "--job.dump_folder", folder])
+            train.main(base_args(config, ov) + extra + ["--training.steps", str(steps), "--metrics.log_freq",
+                                                        str(log_freq), "--job.dump_folder", folder])
             logs = sorted(glob.glob(os.path.join(folder, "run_*.json")), key=os.path.getmtime)
             entries = json.load(open(logs[-1]))["training_iterations"] if logs else []
-            done[n] = figures_of(entries, folder, time.time() - t0)
+            done[n] = figures_of(entries, folder, time.time() - t0, skip)
         except BaseException as e:  # noqa: BLE001 (a case that fails is recorded; the next one runs)
             oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
             done[n] = {"error": "oom" if oom else f"{type(e).__name__}: {e}"[:300]}
@@ -290,6 +309,8 @@ def main() -> None:
     ap = launch.Parser(__doc__)
     ap.add_argument("--gpus", type=int, default=1, help="1: the one-GPU cases; 2: the two-GPU cases")
     ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--ac-sweep", action="store_true",
+                    help="the activation-checkpointing sweep (AC_SWEEP) on 1 GPU instead of the default cases")
     ap.add_argument("--no-oom-search", action="store_true")
     ap.add_argument("--no-recommend", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
@@ -308,8 +329,14 @@ def main() -> None:
     import torch
 
     hw, ngpu = hardware_key(), torch.cuda.device_count()
-    names = [n for n in opts.only.split(",") if n] or [n for n, (r, _, _) in CASES.items() if r == opts.gpus]
-    if any(CASES[n][0] > ngpu for n in names):
+    names = ([n for n in opts.only.split(",") if n] or (list(AC_SWEEP) if opts.ac_sweep else
+                                                       [n for n, (r, _, _) in CASES.items() if r == opts.gpus]))
+    unknown = [n for n in names if n not in ALL_CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(ALL_CASES)}")
+    if opts.ac_sweep:  # memory across checkpointing modes: nothing else
+        opts.no_oom_search = opts.no_recommend = opts.no_profile = True
+    if any(ALL_CASES[n][0] > ngpu for n in names):
         raise SystemExit(f"{opts.gpus} GPUs asked for, {ngpu} present")
     results = {"device": torch.cuda.get_device_name(0), "ngpu": ngpu, "hardware": hw, "torch": torch.__version__,
                "date": datetime.date.today().isoformat(),
@@ -324,8 +351,7 @@ def main() -> None:
     # predictions (and the recommendation) on the CPU while the GPU measures
     # two CPU workers: the trainer's compile needs the other cores
     pool = futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
-    pending = {n: pool.submit(predict, n, CASES[n][0], CASES[n][1], CASES[n][2], hw, n == "b8" and opts.gpus == 1)
-               for n in names}
+    pending = {n: pool.submit(predict, n, *ALL_CASES[n], hw, n == "b8" and opts.gpus == 1) for n in names}
     rec = None if opts.no_recommend or opts.gpus != 1 or opts.only else pool.submit(recommend_pick, hw, opts.out)
     profiled = [] if opts.no_profile else PROFILED.get(opts.gpus, [])
     if opts.gpus == 1:
@@ -337,14 +363,14 @@ def main() -> None:
         for n in names:
             if time.time() > t_end:
                 break
-            ranks, config, ov = CASES[n]
+            ranks, config, ov = ALL_CASES[n]
             measured[n] = measure(n, ranks, base_args(config, ov), t_end + 30 - time.time(),
                                   PROFILE if n in profiled else [])
     for n in names:
         if n not in measured:
             log(f"{n}: not measured (budget spent)")
             continue
-        ranks, config, ov = CASES[n]
+        ranks, config, ov = ALL_CASES[n]
         results["cases"][n] = {"ranks": ranks, "config": os.path.relpath(config, ROOT), "overrides": ov,
                                "measured": measured[n], "profiled": n in profiled}
         log(f"{n}: measured {measured[n]}")

@@ -9,7 +9,7 @@ import time
 
 from titanlite.config import ConfigError, resolve_batch, to_dict
 from titanlite.config.manager import data_parallel_mode
-from titanlite.models import get_model_args
+from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION
 
@@ -107,6 +107,55 @@ def activation_floor(args, seq_len: int) -> int:
     return args.n_layers * seq_len * args.dim * 2
 
 
+def size(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def model_state_floor(num_params: int, mode: str, world: int, bf16_moments: bool = False) -> int:
+    """Bytes per rank the model state takes at the least in `mode`: fp32 parameters and fp32 gradients
+    (a bf16 run keeps fp32 masters, and its weight gradients come out fp32) and AdamW's two moments,
+    divided over the ranks where the mode shards them. bf16 copies, buffers and activations come on
+    top, so a configuration whose floor exceeds the budget cannot fit whatever its batch."""
+    m = MODES[mode]
+    params_and_grads = 8 / world if m.shards_params else 8
+    moments = (4 if bf16_moments else 8) / (world if m.optimizer != "local" else 1)
+    return int(num_params * (params_and_grads + moments))
+
+
+def floor_bytes(args, seq_len: int, mode: str, world: int, bf16_moments: bool = False) -> int:
+    """The least a rank holds at local batch 1: its model state and one sequence's block inputs."""
+    return model_state_floor(args.num_params(), mode, world, bf16_moments) + activation_floor(args, seq_len)
+
+
+def what_could_fit(cfg, args, world: int, budget_of) -> str:
+    """Advice for a configuration that cannot fit: only steps that change the answer. `budget_of(n)`:
+    the bytes a rank may use with n GPUs. Where the model state alone exceeds the budget, neither
+    checkpointing nor a shorter sequence helps: more GPUs with a sharded mode, or a smaller model."""
+    seq, sharded = cfg.training.seq_len, "fsdp"
+    moments = cfg.optimizer.moments_dtype == "bfloat16"
+    here = model_state_floor(args.num_params(), data_parallel_mode(cfg, world), world, moments)
+    out = []
+    if world > 1 and not MODES[data_parallel_mode(cfg, world)].shards_params \
+            and floor_bytes(args, seq, sharded, world) <= budget_of(world):
+        out.append(f"parallelism.data_parallel={sharded} (shards the model state over the {world} GPUs)")
+    if here + activation_floor(args, seq) <= budget_of(world):  # the state fits: activations are the problem
+        if cfg.activation_checkpoint.mode != "full":
+            out.append("activation_checkpoint.mode=full")
+        out.append("a shorter training.seq_len")
+    n = next((n for n in (2 ** k for k in range(1, 11)) if n > world
+              and floor_bytes(args, seq, sharded, n) <= budget_of(n)), None)
+    if n:
+        out.append(f"at least {n} GPUs with {sharded} (model state {size(model_state_floor(args.num_params(), sharded, n))} "
+                   f"per GPU there)")
+    spec = MODEL_REGISTRY[cfg.model.name]
+    smaller = [f for f, a in sorted(spec.flavors.items(), key=lambda fa: -fa[1].num_params())
+               if a.num_params() < args.num_params()
+               and floor_bytes(a, seq, data_parallel_mode(cfg, world), world, moments) <= budget_of(world)]
+    if smaller:
+        out.append(f"a smaller model ({cfg.model.name}/{smaller[0]} fits the same setup)")
+    return "; ".join(out) if out else "nothing in titanlite's registry fits this GPU"
+
+
 def estimate(cfg, progress=_progress) -> dict:
     """Memory at the configured batch, the largest batch that fits, and (for a run that fits) the
     throughput model. `report["memory"]["fits"]` False: the configured run cannot exist, and the
@@ -125,9 +174,13 @@ def estimate(cfg, progress=_progress) -> dict:
     mode = data_parallel_mode(cfg, world)
     fits = _Fits(usable, headroom(est.fragmentation, mode))
     floor = activation_floor(args, seq)
-    bound = int(fits.budget // floor)  # no batch above this can fit
+    state = model_state_floor(args.num_params(), mode, world, cfg.optimizer.moments_dtype == "bfloat16")
+    bound = max(int((fits.budget - state) // floor), 0)  # no batch above this can fit
     limit = min(max(est.max_local_batch, local if local <= bound else 0), bound)
-    if local > bound:
+    if state > fits.budget:
+        progress(f"does not fit: the model state alone takes at least {state / GIB:,.1f} GiB per rank ({mode}) of "
+                 f"{fits.budget / GIB:.1f} GiB (not run)")
+    elif local > bound:
         progress(f"local batch {local} does not fit: its blocks' inputs alone take {local * floor / GIB:,.1f} GiB "
                  f"of {fits.budget / GIB:.1f} GiB (not run)")
 
@@ -159,11 +212,14 @@ def estimate(cfg, progress=_progress) -> dict:
             run.close()
     if est.search and largest == 0 and not any(fits(r.peak_bytes) for r in results.values()):
         r1 = results.get(1)
-        need = f"peak {r1.peak_bytes / GIB:.1f} GiB" if r1 else f"its blocks' inputs alone {floor / GIB:.1f} GiB"
+        need = (f"peak {r1.peak_bytes / GIB:.1f} GiB" if r1 else
+                f"its model state alone {state / GIB:.1f} GiB" if state > fits.budget else
+                f"its model state and blocks' inputs {(state + floor) / GIB:.1f} GiB")
+        budget_of = lambda n: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, "fsdp")).budget
         raise ConfigError(
             f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "
-            f"1: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB; try fsdp, "
-            f"activation_checkpoint.mode=full, a shorter seq_len or more GPUs")
+            f"1: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB; what could: "
+            f"{what_could_fit(cfg, args, world, budget_of)}")
 
     res = results.get(local)
     fits_configured = res is not None and fits(res.peak_bytes)
@@ -179,7 +235,7 @@ def estimate(cfg, progress=_progress) -> dict:
             "mixed_precision_param": cfg.training.mixed_precision_param,
             "bf16_params": cfg.training.bf16_params, "moments_dtype": cfg.optimizer.moments_dtype,
         },
-        "memory": _memory(res, hw, usable, fits, local * floor),
+        "memory": _memory(res, hw, usable, fits, local * floor + state),
         "batch_search": _search(results, largest, cfg, world, fits) if est.search else None,
         "throughput": None,
         "notes": [
@@ -203,10 +259,10 @@ def _gib(d: dict) -> dict:
     return {k: round(v / GIB, 3) for k, v in d.items()}
 
 
-def _memory(res: StepResult | None, hw, usable: float, fits, floor_bytes: int) -> dict:
+def _memory(res: StepResult | None, hw, usable: float, fits, least_bytes: int) -> dict:
     """The configured batch's memory; None figures where it was not run (its floor alone is too large)."""
     if res is None:
-        return {"peak_gib": None, "floor_gib": round(floor_bytes / GIB, 3), "gpu_memory_gib": hw.memory_gib,
+        return {"peak_gib": None, "floor_gib": round(least_bytes / GIB, 3), "gpu_memory_gib": hw.memory_gib,
                 "usable_gib": round(usable / GIB, 2), "allocator_headroom": fits.fragmentation, "fits": False}
     return {
         "peak_gib": round(res.peak_bytes / GIB, 3),
@@ -252,7 +308,7 @@ def format_report(r: dict) -> str:
     ]
     if not m["fits"]:
         need = (f"peak {m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else
-                f"its blocks' inputs alone {m['floor_gib']:,.1f} GiB")
+                f"at least {m['floor_gib']:,.1f} GiB (model state and blocks' inputs)")
         lines.append(f"DOES NOT FIT: local batch {c['local_batch_size']} needs {need} > {m['usable_gib']} GiB "
                      f"usable; no throughput for a run that cannot start")
     if m["peak_gib"] is not None:

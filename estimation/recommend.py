@@ -32,7 +32,7 @@ from titanlite.hardware import GPUS_PER_NODE
 from titanlite.models import get_model_args
 from titanlite.parallel.modes import MODES
 
-from estimation.estimate import GIB, _Fits, activation_floor, headroom, usable_bytes
+from estimation.estimate import GIB, _Fits, floor_bytes, headroom, size, usable_bytes, what_could_fit
 from estimation.hardware import auto_attention, get_hardware
 from estimation.throughput import assumptions, predict
 from estimation.tracker import PhaseWork
@@ -173,17 +173,30 @@ def recommend(cfg, progress=_progress) -> dict:
     usable = usable_bytes(est, hw, world)
     locals_ = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     flops_per_token = args.flops_per_token(seq)
-    todo = classes(cfg, world, hw)
+    budget = lambda mode, n=world: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, mode),
+                                         keep_headroom=True).budget
+    # a class whose model state and one sequence's block inputs exceed the budget is never built
+    todo = [k for k in classes(cfg, world, hw)
+            if floor_bytes(args, seq, k.mode, world, k.bf16_moments) <= budget(k.mode)]
+    if not todo:
+        least, k = min(((floor_bytes(args, seq, k.mode, world, k.bf16_moments), k) for k in classes(cfg, world, hw)),
+                       key=lambda fk: fk[0])
+        raise ConfigError(
+            f"{cfg.model.name}/{cfg.model.flavor} cannot fit on {world} x {est.hardware} in any configuration: its "
+            f"model state and one sequence's block inputs take at least {size(least)} per GPU ({k.label()}), "
+            f"over the {size(budget(k.mode))} usable; what could: "
+            f"{what_could_fit(cfg, args, world, lambda n: budget('fsdp', n))}")
+    # each class is measured without checkpointing, then with the next level only where it does not fit
+    most = len(todo) * len(AC_CHOICES)
     progress(f"{cfg.model.name}/{cfg.model.flavor} on {world} x {est.hardware}, {seqs} sequences of {seq} tokens "
-             f"({per_rank} per GPU): {len(todo)} configuration classes, 2 fake steps each")
+             f"({per_rank} per GPU): {len(todo)} configuration classes, each measured by 2 fake steps without "
+             f"activation checkpointing and again with it only where it does not fit (at most {most} measurements)")
 
     candidates: list[Candidate] = []
     measured = 0
     while todo:
         knobs = todo.pop(0)
         fits = _Fits(usable, headroom(est.fragmentation, knobs.mode), keep_headroom=True)
-        if activation_floor(args, seq) > fits.budget:
-            continue  # not even one sequence's block inputs fit
         c1 = _config(cfg, knobs, 1, per_rank, world)
         run = FakeRun(c1, world, attention, int(hw.memory_gib * GIB))
         try:
@@ -193,7 +206,7 @@ def recommend(cfg, progress=_progress) -> dict:
         measured += 1
         one = r1.peak_without_accumulation() if per_rank == 1 else r1.peak_bytes
         progress(f"{knobs.label()}: peak at local batch 1 {one / GIB:.2f} GiB "
-                 f"[{measured} classes, {time.perf_counter() - t0:.0f}s]")
+                 f"[{measured} of at most {most} measurements, {time.perf_counter() - t0:.0f}s]")
         if not fits(one):
             if knobs.ac != "full":  # the next level of checkpointing for this class
                 todo.insert(0, dataclasses.replace(knobs, ac=AC_CHOICES[AC_CHOICES.index(knobs.ac) + 1]))
@@ -221,8 +234,8 @@ def recommend(cfg, progress=_progress) -> dict:
             candidates.append(Candidate(knobs, b, accum, graphs, peak, p["tokens_per_sec_per_gpu"], p["mfu_pct"], ""))
     if not candidates:
         raise ConfigError(f"{cfg.model.name}/{cfg.model.flavor} fits no configuration on {world} x {est.hardware} at "
-                          f"seq_len {seq}, even at local batch 1 with full activation checkpointing; use more GPUs "
-                          f"or a shorter seq_len")
+                          f"seq_len {seq}, even at local batch 1 with full activation checkpointing; what could: "
+                          f"{what_could_fit(cfg, args, world, lambda n: budget('fsdp', n))}")
     candidates.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
     best = _verify(cfg, candidates, world, usable, hw, attention, est.recommend_top, progress)
     return {"target_sequences": seqs, "seq_len": seq, "ngpu": world, "hardware": est.hardware,

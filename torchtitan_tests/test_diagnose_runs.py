@@ -159,6 +159,11 @@ def test_cli_on_real_logs(logs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "titanlite.diagnose", str(logs["clean1"]), str(logs["shared"]),
                         "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("verdict: compute_stall"), r.stdout + r.stderr
-    assert (out / "report.md").read_text().startswith("# Scaling diagnosis\n\n**Verdict: `compute_stall`**")
-    assert json.loads((out / "report.json").read_text())["verdict"] == "compute_stall"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["verdict"] == "compute_stall"
+    for name in ("clean1", "shared"):  # the run log records the host: every process here runs one thread
+        host = json.loads(Path(logs[name]).read_text())["startup_info"]["hardware"]["host"]
+        assert host == {"cpus": os.cpu_count(), "threads_per_process": 1, "data_workers": 0}
+    first = (out / "report.md").read_text().splitlines()[0].split()
+    assert "compute_stall," in first and first[-1] == rep["confidence"]
     assert (out / "ranks.png").stat().st_size > 0

@@ -251,7 +251,7 @@ def test_recommend_target_below_the_configured_local_batch():
     (["--estimate.target_tokens", "100"], "error: estimate.target_tokens (100) is not a whole number of sequences"),
     (["--estimate.ngpu", "3", "--parallelism.data_parallel", "ddp"], "error: a global batch of 8 sequences cannot be "
                                                                      "split evenly over 3 GPUs"),
-    (["--estimate.hardware", "l4", "--estimate.reserved_gib", "22.04"], "error: llama/debug fits no configuration"),
+    (["--estimate.hardware", "l4", "--estimate.reserved_gib", "22.04"], "error: llama/debug cannot fit on 1 x l4"),
 ])
 def test_recommend_bad_input_is_one_line(tmp_path, extra, message):
     p = _cli(*DEBUG, "--training.global_batch_size", "8", "--estimate.recommend", *extra, tmp=tmp_path)
@@ -259,6 +259,29 @@ def test_recommend_bad_input_is_one_line(tmp_path, extra, message):
     lines = p.stderr.strip().splitlines()
     assert lines[-1].startswith(message) and not any("Traceback" in line for line in lines)
     assert not [line for line in lines if not line.startswith(("[recommend]", "error:"))]
+
+
+def test_a_model_whose_state_cannot_fit_is_refused_before_any_fake_step(tmp_path):
+    """LLaMA 8B on one H100: the fp32 parameters, gradients and AdamW moments alone exceed the GPU, so
+    recommend and the plain estimate refuse in seconds, without building a fake run, and advise only
+    what changes that (more GPUs with a sharded mode, a smaller model), not the checkpointing or
+    sequence length that cannot."""
+    import time
+
+    preset = [str(ROOT / "train_configs" / "llama_1.36b_1xh100.toml"), "--model.flavor", "8B"]
+    t0 = time.perf_counter()
+    p = _cli("--job.config_file", *preset, "--training.global_batch_size", "32", "--estimate.recommend", tmp=tmp_path)
+    assert time.perf_counter() - t0 < 60
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    err = p.stderr
+    assert err.startswith("error: llama/8B cannot fit on 1 x h100") and "Traceback" not in err
+    assert "GPUs with fsdp" in err and "a smaller model (llama/1.36B" in err
+    assert "seq_len" not in err and "activation_checkpoint" not in err
+    p = _cli("--job.config_file", *preset, "--activation_checkpoint.mode", "full", "--estimate.output",
+             str(tmp_path / "e.json"), tmp=tmp_path)
+    assert p.returncode == 2 and "model state alone" in p.stderr, p.stderr
+    assert "local batch 1: peak" not in p.stderr and "activation_checkpoint.mode=full" not in p.stderr
+    assert "GPUs with fsdp" in p.stderr
 
 
 def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):

@@ -12,6 +12,12 @@ than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges:
 than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
 rank, and the others' waits for it, show up as a `straggler` and nowhere else.
 
+Every result is a typed record: `Finding` (kind, severity, title, evidence, next check), `Setting` (a
+like-for-like row), `Check` (a recomputed figure), `Loss` (where a healthy run's efficiency goes) and
+`Reason` (why the confidence is lower, with the flags that would settle it). Each figure has one
+function (gradient_bytes, allreduce_ms, allreduce_extra_ms, predicted_step_ms); figures measured on
+benchmarks live in docs/diagnosis.md, which the advice points to.
+
 Findings rest only on trusted figures: the work per step is the reconstruction's (reconstruct.py),
 and a run whose only entries are warm-up, or that no physically possible reading explains, takes
 part in no stall, communication or straggler finding.
@@ -32,6 +38,7 @@ SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 # kinds ranked before any other: nothing else compares like for like, or nothing else is measured yet
 FIRST = {"config_mismatch": 0, "insufficient_data": 1}
 CONFIDENCE = ("high", "medium", "low")
+HARDWARE_FLAG, MODEL_FLAG = "--hardware GPU", "--model NAME/FLAVOR"  # what settles an unknown GPU or model
 
 
 @dataclass
@@ -65,6 +72,56 @@ class Finding:
         return d
 
 
+@dataclass
+class Setting:
+    """One row of the like-for-like check: a setting's value in each run."""
+    setting: str
+    key: str
+    values: list
+    same: bool
+    ok: bool  # the difference (if any) leaves the runs comparable
+
+
+@dataclass
+class Check:
+    """One of a log's figures recomputed from its inputs, at the entry where they disagree most."""
+    check: str
+    worst_iter: int
+    logged: float
+    recomputed: float
+    error_pct: float
+    ok: bool
+
+
+@dataclass
+class Loss:
+    """Where a healthy run's lost efficiency goes: its phase furthest above the baseline's prediction."""
+    run: str
+    phase: str
+    ms_per_step: float
+    predicted_ms_per_step: float
+    excess_ms_per_step: float
+    share_of_step: float
+    text: str
+    next_check: str = ""
+    cause: str = ""  # "overlap_contention": compute grew beside overlapped collectives
+    exposed_comm_ms_per_step: float | None = None
+
+    def evidence(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("text", "next_check") and v not in ("", None)}
+
+
+@dataclass
+class Reason:
+    """Why the confidence is not higher; `flags`: the diagnose flags that would let the check run."""
+    run: str
+    cause: str   # warmup_only | few_entries | no_step_time | impossible | suspect | gpu_unknown | model_unknown
+                 # | ambiguous | allreduce_unknown | host_unknown
+    level: int   # 1: medium at most, 2: low
+    text: str
+    flags: tuple[str, ...] = ()
+
+
 NEXT_CHECK = {
     "compute_stall": (
         "Per-GPU work is equal, so each GPU should compute as fast at every world size. Check that every rank has "
@@ -80,8 +137,8 @@ NEXT_CHECK = {
     "communication": (
         "Measure the link: nccl-tests all_reduce_perf at the gradient size on these GPUs, and compare its bus "
         "bandwidth with the figure used here (--link-gbps). Run with NCCL_DEBUG=INFO to see the transport "
-        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb: buckets under 100 MB measured "
-        "slower on 4 x H200) and the reduce dtype."),
+        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb; what bucket sizes measured: "
+        "docs/diagnosis.md, 'Measured remedies') and the reduce dtype."),
     "straggler": (
         "Look at that rank's device alone: `nvidia-smi -i R -q -d PERFORMANCE,CLOCK,TEMPERATURE` (throttle "
         "reasons), other processes on it, its CPU/NUMA affinity and its data shard; rerun with LOG_RANK=R to read "
@@ -90,8 +147,8 @@ NEXT_CHECK = {
         "Profile a few steps (--profiling.enable) and look for gaps between kernels; reduce launches with "
         "--compile.enable or --training.cuda_graphs, or give each kernel more work with a larger local batch."),
     "config_mismatch": (
-        "Rerun so that only the world size differs (same model, seq_len, precision, compile, parallel mode, and "
-        "either the same per-GPU batch and accumulation, or the same global batch)."),
+        "Rerun so that only the world size differs (same model, seq_len, precision, compile, parallel mode, "
+        "threads per process, and either the same per-GPU batch and accumulation, or the same global batch)."),
     "measurement_inconsistency": (
         "Check how the logger computes the figure: tokens per step must be local batch x accumulation x ranks x "
         "seq_len, over the same wall-clock interval as time_ms (per optimizer step, not per micro-step); MFU must "
@@ -103,6 +160,36 @@ NEXT_CHECK = {
         "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
         "its MFU with the single-GPU baseline."),
 }
+
+# CPU runs: the same kinds, checked on the host. torchrun gives each process one intra-op thread
+# (OMP_NUM_THREADS=1) where a plain one-process launch uses every core.
+NEXT_CHECK_CPU = {
+    "compute_stall": (
+        "Per-process work is equal, so each process should compute as fast at every world size. Compare threads "
+        "per process (OMP_NUM_THREADS; torchrun sets 1 when launching several) and check processes x threads x "
+        "(1 + data workers) <= CPUs (nproc), and other load on the machine (top). Then rerun the larger config as "
+        "one process with the same threads per process: its compute per micro-step should match the baseline."),
+    "straggler": (
+        "Look at that rank's process: its CPU affinity (taskset -p PID), other load on its cores (top), its data "
+        "shard; rerun with LOG_RANK=R to read its own console."),
+    "config_mismatch": (
+        "Rerun so that only the world size differs: the same threads per process in every run (OMP_NUM_THREADS=N "
+        "for the one-process run too, with processes x threads <= CPUs), and the same model, seq_len, precision "
+        "and batch settings."),
+    "host_overhead": (
+        "Profile a few steps (--profiling.enable) and look for time outside the ops; fewer, larger ops "
+        "(--compile.enable, a larger local batch) and threads per process x processes <= CPUs."),
+}
+
+
+def next_check(kind: str, run: "Run | None" = None) -> str:
+    """The advice for a finding of `kind`; CPU runs get the host's version where it differs."""
+    return NEXT_CHECK_CPU.get(kind, NEXT_CHECK[kind]) if run is not None and run.device == "cpu" else NEXT_CHECK[kind]
+
+
+def devices(run: Run) -> str:
+    return "GPUs" if run.device == "cuda" else f"{run.device.upper()} processes"
+
 
 # which finding a grown phase is
 PHASE_KIND = {"data": "data_stall", "compute": "compute_stall", "optimizer": "compute_stall",
@@ -133,6 +220,8 @@ def cfg_value(run: Run, key: str):
         return run.hardware.get("name")
     if key == "data_parallel":  # one rank runs the single-device path whatever the mode is
         return None if run.world == 1 else c.get("data_parallel")
+    if key in dict(HOST_KEYS):
+        return (run.hardware.get("host") or {}).get(key)
     return c.get(key)
 
 
@@ -142,6 +231,11 @@ MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_preci
               ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("hardware", "hardware")]
 BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "accumulation steps"),
               ("global_batch_size", "global batch")]
+# the host side (run log startup_info.hardware.host). On CPU the threads are the compute, so they must
+# match; on GPU they only feed the kernels. The CPUs must match anywhere: another machine.
+HOST_KEYS = [("threads_per_process", "threads per process"), ("cpus", "CPUs"),
+             ("data_workers", "data workers per process")]
+HOST_MUST_MATCH = {"cpu": {"threads_per_process", "cpus"}, "cuda": {"cpus"}}
 
 
 def scaling_mode(runs: list[Run]) -> str:
@@ -161,31 +255,34 @@ def scaling_mode(runs: list[Run]) -> str:
     return "not_comparable"
 
 
-def like_for_like(runs: list[Run]) -> tuple[list[dict], list[Finding]]:
+def like_for_like(runs: list[Run]) -> tuple[list[Setting], list[Finding]]:
     rows, findings = [], []
     mode = scaling_mode(runs)
     if mode == "single_run":
         return rows, findings
-    for key, name in MUST_MATCH + BATCH_KEYS:
+    must = HOST_MUST_MATCH.get(runs[0].device, set())
+    for key, name in MUST_MATCH + BATCH_KEYS + HOST_KEYS:
         values = [cfg_value(r, key) for r in runs]
         known = {repr(v) for v in values if v is not None}
         if key in dict(BATCH_KEYS):
             ok = mode != "not_comparable"
+        elif key in dict(HOST_KEYS):
+            ok = len(known) <= 1 or key not in must
         else:
             ok = len(known) <= 1
-        rows.append({"setting": name, "key": key, "values": values, "same": len(known) <= 1, "ok": ok})
-    bad = [r for r in rows if not r["ok"]]
+        rows.append(Setting(name, key, values, len(known) <= 1, ok))
+    bad = [r for r in rows if not r.ok]
     if bad:
-        what = "; ".join(f"{r['setting']}: " + " vs ".join(str(v) for v in r["values"]) for r in bad)
+        what = "; ".join(f"{r.setting}: " + " vs ".join(str(v) for v in r.values) for r in bad)
         findings.append(Finding(
             "config_mismatch", "high",
             f"The runs differ in more than the world size ({what}): their throughput cannot be compared as scaling.",
-            {r["key"]: r["values"] for r in bad}, NEXT_CHECK["config_mismatch"], score=1.0))
+            {r.key: r.values for r in bad}, next_check("config_mismatch", runs[0]), score=1.0))
     return rows, findings
 
 
 # ------------------------------------------------------------------------------ self-consistency
-def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
+def consistency(run: Run, tol: float) -> tuple[list[Check], Finding | None]:
     """Recompute each logged rate from the primary figures (batch settings, step time, FLOPs/token,
     peak) and report the worst relative error of each check over the steady entries."""
     fpt = run.model.get("flops_per_token")
@@ -225,18 +322,16 @@ def consistency(run: Run, tol: float) -> tuple[list[dict], Finding | None]:
     rows = []
     for name, vals in checks.items():
         err, logged, expected, it = max(vals, key=lambda v: v[0])
-        rows.append({"check": name, "worst_iter": it, "logged": logged, "recomputed": expected,
-                     "error_pct": round(100 * err, 2), "ok": err <= tol})
-    bad = [r for r in rows if not r["ok"]]
+        rows.append(Check(name, it, logged, expected, round(100 * err, 2), err <= tol))
+    bad = [r for r in rows if not r.ok]
     if not bad:
         return rows, None
-    worst = max(bad, key=lambda r: r["error_pct"])
-    score = min(worst["error_pct"] / 100, 1.0)
-    title = (f"{run.label}: logged figures disagree with their own inputs; worst: '{worst['check']}' is "
-             f"{fmt(worst['logged'])} logged vs {fmt(worst['recomputed'])} recomputed at iter {worst['worst_iter']} "
-             f"({worst['error_pct']:.1f}% off).")
-    evidence = {r["check"]: {"logged": r["logged"], "recomputed": r["recomputed"], "error_pct": r["error_pct"]}
-                for r in bad}
+    worst = max(bad, key=lambda r: r.error_pct)
+    score = min(worst.error_pct / 100, 1.0)
+    title = (f"{run.label}: logged figures disagree with their own inputs; worst: '{worst.check}' is "
+             f"{fmt(worst.logged)} logged vs {fmt(worst.recomputed)} recomputed at iter {worst.worst_iter} "
+             f"({worst.error_pct:.1f}% off).")
+    evidence = {r.check: {"logged": r.logged, "recomputed": r.recomputed, "error_pct": r.error_pct} for r in bad}
     return rows, Finding("measurement_inconsistency", "high" if score >= tol * 3 else "medium", title, evidence,
                          NEXT_CHECK["measurement_inconsistency"], score=score, run=run.label)
 
@@ -251,11 +346,36 @@ def link_gbps(run: Run, override: float | None) -> float:
     return hw.link_gbps if hw else 450.0  # an unknown GPU: an NVLink-class node
 
 
-def allreduce_ms(run: Run, gbps: float) -> float:
+def gradient_bytes(run: Run) -> float | None:
+    """Bytes of gradients a step reduces (None: the model's size is not known)."""
+    params = run.model.get("params")
+    if not params:
+        return None
+    bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))
+    return params * (2 if bf16 else 4)
+
+
+def allreduce_ms(run: Run, gbps: float) -> float | None:
     """Ring all-reduce of the gradients: 2 (N-1)/N x bytes over the link, at its nominal bandwidth."""
-    params = run.model.get("params") or 0
-    bytes_per = 2 if run.config.get("parallelism.fsdp_reduce_dtype") == "bfloat16" else 4
-    return 2 * (run.world - 1) / run.world * params * bytes_per / (gbps * 1e9) * 1000
+    size = gradient_bytes(run)
+    return None if size is None else 2 * (run.world - 1) / run.world * size / (gbps * 1e9) * 1000
+
+
+def allreduce_extra_ms(base: Run, run: Run, gbps: float) -> float | None:
+    """What the larger world's all-reduce adds over the baseline's (None: the model's size is not known)."""
+    a, b = allreduce_ms(run, gbps), allreduce_ms(base, gbps)
+    return None if a is None or b is None else max(a - b, 0.0)
+
+
+def work_ratio(base: Run, run: Run) -> float:
+    """Per-GPU tokens per step of `run` over the baseline's."""
+    return run.tokens_per_gpu_step / base.tokens_per_gpu_step
+
+
+def predicted_step_ms(base: Run, run: Run, gbps: float) -> float:
+    """The step `run` should take from the baseline's: its per-GPU work at the baseline's speed plus
+    the extra all-reduce (none counted where the model's size is unknown)."""
+    return base.step_ms * work_ratio(base, run) + (allreduce_extra_ms(base, run, gbps) or 0.0)
 
 
 def efficiency(runs: list[Run], mode: str) -> dict:
@@ -291,13 +411,12 @@ def efficiency(runs: list[Run], mode: str) -> dict:
 
 def predicted(base: Run, run: Run, gbps: float) -> dict[str, float | None]:
     """What each phase of `run` should cost (ms per step, fastest rank) given the baseline."""
-    work = run.tokens_per_gpu_step / base.tokens_per_gpu_step
+    work = work_ratio(base, run)
     out = {}
     for p in PHASES:
         b = base.phase_over_ranks(p)
         if p == "comm":
-            extra = max(allreduce_ms(run, gbps) - allreduce_ms(base, gbps), 0.0)
-            out[p] = (b or 0.0) + extra
+            out[p] = (b or 0.0) + (allreduce_extra_ms(base, run, gbps) or 0.0)
         elif p == "optimizer":
             out[p] = b
         else:
@@ -323,7 +442,7 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
     step = run.step_ms
     rows, noise = phase_excess(base, run, gbps)
     grown = [r for r in rows if r[3] >= th.share * step and r[1] >= th.growth * r[2] and r[3] > noise[r[0]]]
-    lost = step - base.step_ms * run.tokens_per_gpu_step / base.tokens_per_gpu_step
+    lost = step - predicted_step_ms(base, run, gbps)
     if not grown and eff is not None and eff < th.efficiency_ok and rows and lost > run.step_jitter_ms + base.step_jitter_ms:
         grown = [max(rows, key=lambda r: r[3])]  # no single phase stands out, but time is lost: name the largest
     findings = []
@@ -340,13 +459,13 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         if micro:
             ev[f"{p}_ms_per_micro_step"] = round(got / run.accum, 3)
             ev[f"baseline_{p}_ms_per_micro_step"] = round((base.phase_over_ranks(p) or 0.0) / base.accum, 3)
-        if p == "comm":
+        if p == "comm" and gradient_bytes(run) is not None:
             ev["expected_allreduce_ms"] = round(allreduce_ms(run, gbps), 3)
             ev["link_gbps_assumed"] = gbps
-            ev["gradient_bytes"] = (run.model.get("params") or 0) * 4
+            ev["gradient_bytes"] = gradient_bytes(run)
         if eff is not None:
             ev["scaling_efficiency"] = eff
-        findings.append(Finding(kind, severity(excess / step), title, ev, NEXT_CHECK[kind], score=excess / step,
+        findings.append(Finding(kind, severity(excess / step), title, ev, next_check(kind, run), score=excess / step,
                                 run=run.label))
     return findings
 
@@ -354,9 +473,8 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
 def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
     """Without a per-phase breakdown: is the step's growth communication-sized? If it is many times
     what an all-reduce of the gradients can cost, the GPUs themselves are computing slower."""
-    work = run.tokens_per_gpu_step / base.tokens_per_gpu_step
-    comm_extra = max(allreduce_ms(run, gbps) - allreduce_ms(base, gbps), 0.0)
-    want = base.step_ms * work + comm_extra
+    comm_extra = allreduce_extra_ms(base, run, gbps)
+    want = predicted_step_ms(base, run, gbps)
     excess = run.step_ms - want
     noise = run.step_jitter_ms + base.step_jitter_ms
     if excess < th.share * run.step_ms or run.step_ms < th.growth * want or excess <= noise:
@@ -366,25 +484,33 @@ def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | N
           "predicted_step_ms": round(want, 3), "excess_ms_per_step": round(excess, 3), "jitter_ms": round(noise, 3),
           "step_ms_per_micro_step": round(run.step_ms / run.accum, 3),
           "baseline_step_ms_per_micro_step": round(base.step_ms / base.accum, 3),
-          "expected_allreduce_ms": round(allreduce_ms(run, gbps), 3), "link_gbps_assumed": gbps,
-          "basis": "step time only (no per-phase breakdown in the logs)"}
+          "link_gbps_assumed": gbps, "basis": "step time only (no per-phase breakdown in the logs)"}
+    if comm_extra is not None:
+        ev["expected_allreduce_ms"] = round(allreduce_ms(run, gbps), 3)
     if eff is not None:
         ev["scaling_efficiency"] = eff
     if run.memory_gb and base.memory_gb:
         ev["memory_gb"], ev["baseline_memory_gb"] = run.memory_gb, base.memory_gb
     same_mem = run.memory_gb and base.memory_gb and abs(run.memory_gb / base.memory_gb - 1) < 0.05
-    if excess > th.comm_margin * max(comm_extra, 1e-9):
-        title = (f"{run.label} vs {base.label}: the step takes {run.step_ms:,.1f} ms where the baseline's per-GPU "
-                 f"work predicts {want:,.1f} ms; the {excess:,.1f} ms excess is "
-                 f"{excess / max(comm_extra, 1e-9):,.0f}x what the larger all-reduce of the gradients can add "
-                 f"(+{comm_extra:,.1f} ms at {gbps:g} GB/s), so the GPUs compute slower"
-                 + (" (memory per GPU is the same, so the per-GPU work is too)." if same_mem else "."))
+    head = (f"{run.label} vs {base.label}: the step takes {run.step_ms:,.1f} ms where the baseline's per-GPU work "
+            f"predicts {want:,.1f} ms; ")
+    tail = " (memory per GPU is the same, so the per-GPU work is too)." if same_mem else "."
+    if comm_extra is None:  # no size, no all-reduce estimate: say so instead of a ratio over nothing
+        title = (head + f"the {excess:,.1f} ms excess cannot be split between communication and compute: the "
+                 f"model's size is not known, so the all-reduce's cost is not either (pass --model); read as the "
+                 f"{devices(run)} computing slower" + tail)
+        kind = "compute_stall"
+    elif excess > th.comm_margin * comm_extra:
+        bound = (f"{excess / comm_extra:,.0f}x what the larger all-reduce of the gradients can add "
+                 f"(+{comm_extra:,.1f} ms at {gbps:g} GB/s)" if comm_extra > 0 else
+                 "more than the all-reduce can add, which is no larger than the baseline's")
+        title = head + f"the {excess:,.1f} ms excess is {bound}, so the {devices(run)} compute slower" + tail
         kind = "compute_stall"
     else:
         title = (f"{run.label} vs {base.label}: the step grows by {excess:,.1f} ms beyond the per-GPU work, about what "
                  f"gradient communication can cost ({comm_extra:,.1f} ms at {gbps:g} GB/s); log a breakdown to confirm.")
         kind = "communication"
-    return [Finding(kind, severity(excess / run.step_ms), title, ev, NEXT_CHECK[kind],
+    return [Finding(kind, severity(excess / run.step_ms), title, ev, next_check(kind, run),
                     score=max(excess, 0.0) / run.step_ms, run=run.label)]
 
 
@@ -424,7 +550,7 @@ def straggler(run: Run, th: Thresholds) -> list[Finding]:
              f"takes {ratio:.2f}x as long as the other ranks' (+{gap:,.1f} ms per step, median over intervals), "
              f"mostly {phase} (+{diffs[phase]:,.1f} ms); the others wait for it.")
     return [Finding("straggler", severity(gap / run.step_ms), title, ev,
-                    NEXT_CHECK["straggler"].replace("-i R", f"-i {cand}").replace("LOG_RANK=R", f"LOG_RANK={cand}"),
+                    next_check("straggler", run).replace("-i R", f"-i {cand}").replace("LOG_RANK=R", f"LOG_RANK={cand}"),
                     score=gap / run.step_ms, run=run.label)]
 
 
@@ -438,7 +564,8 @@ def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
              f"({100 * v / run.step_ms:.0f}%; {v / run.accum:,.1f} ms per micro-step).")
     ev = {f"{phase}_ms_per_step": round(v, 3), "step_ms": round(run.step_ms, 3),
           "share_of_step": round(v / run.step_ms, 4), f"{phase}_ms_per_micro_step": round(v / run.accum, 3)}
-    return [Finding(kind, severity(v / run.step_ms), title, ev, NEXT_CHECK[kind], score=v / run.step_ms, run=run.label)]
+    return [Finding(kind, severity(v / run.step_ms), title, ev, next_check(kind, run), score=v / run.step_ms,
+                    run=run.label)]
 
 
 # ------------------------------------------------------------------------------ what the reconstruction found
@@ -508,40 +635,66 @@ def insufficient_finding(runs: list[Run]) -> Finding | None:
                                                          for r in short}, NEXT_CHECK["insufficient_data"], score=1.0)
 
 
-def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds) -> tuple[str, list[str]]:
-    """How far the verdict can be trusted, and why not further."""
-    level, why = 0, []
-
-    def lower(to: int, reason: str):
-        nonlocal level
-        level = max(level, to)
-        why.append(reason)
-
+def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
+               findings: list[Finding] = ()) -> tuple[str, list[Reason]]:
+    """How far the verdict can be trusted, and why not further: a check that could not run (an unknown
+    GPU or model, a host the log does not describe) keeps it below high, and names the flag that
+    would let it run."""
+    why: list[Reason] = []
     for r in runs:
         n = len(r.entries)
         if r.only_warmup:
-            lower(2, f"{r.label}: every logged entry is warm-up, so its step time holds start-up and compilation")
+            why.append(Reason(r.label, "warmup_only", 2, f"{r.label}: every logged entry is warm-up, so its step "
+                                                         "time holds start-up and compilation"))
         elif n < th.min_steady:
-            lower(2 if n == 1 else 1, f"{r.label}: {n} steady log entr{'y' if n == 1 else 'ies'} (fewer than "
-                  f"{th.min_steady}): too few to weigh a difference against step-to-step jitter")
+            why.append(Reason(r.label, "few_entries", 2 if n == 1 else 1,
+                              f"{r.label}: {n} steady log entr{'y' if n == 1 else 'ies'} (fewer than {th.min_steady}): "
+                              "too few to weigh a difference against step-to-step jitter"))
         if not r.has_step_time:
-            lower(1, f"{r.label}: no time per iteration in the log, so its step time is derived from its logged "
-                     "tokens/s, which no clock can check")
+            why.append(Reason(r.label, "no_step_time", 1, f"{r.label}: no time per iteration in the log, so its step "
+                                                          "time is derived from its logged tokens/s, which no clock can check"))
+    on_gpu = {r.label for r in runs if r.device == "cuda"}
     for rr in rec.runs if rec else []:
         if rr.plausibility == "impossible":
-            lower(2, f"{rr.label}: no reading of its log is physically possible ({rr.why})")
+            why.append(Reason(rr.label, "impossible", 2, f"{rr.label}: no reading of its log is physically possible "
+                                                         f"({rr.why})"))
         elif rr.plausibility == "suspect":
-            lower(1, f"{rr.label}: its figures imply only {100 * rr.dense_peak_share:.1f}% of the dense bf16 peak, "
-                     "too little for a GPU that is not starved: a figure may be wrong in a way no reading covers")
-        elif rr.plausibility == "unchecked" and rr.gpu != "cpu" and len(runs) and any(
-                x.label == rr.label and x.hardware.get("device", "cuda") == "cuda" for x in runs):
-            missing = "the GPU" if not rr.peak_tflops_dense else "the model"
-            flag = "--hardware" if not rr.peak_tflops_dense else "--model"
-            lower(1, f"{rr.label}: {missing} is not known ({rr.gpu or 'not in the log'}), so no reading could be "
-                     f"checked against the dense peak (pass {flag})")
+            why.append(Reason(rr.label, "suspect", 1,
+                              f"{rr.label}: its figures imply only {100 * rr.dense_peak_share:.1f}% of the dense bf16 "
+                              "peak, too little for a GPU that is not starved: a figure may be wrong in a way no "
+                              "reading covers"))
+        unchecked = rr.plausibility == "unchecked" and rr.gpu != "cpu" and rr.label in on_gpu
+        missing = [what for what, known in (("the GPU", rr.peak_tflops_dense), ("the model", rr.flops_per_token))
+                   if not known] if unchecked else []
+        flags = tuple(f for f, known in ((HARDWARE_FLAG, rr.peak_tflops_dense), (MODEL_FLAG, rr.flops_per_token))
+                      if not known) if unchecked else ()
+        if unchecked:
+            why.append(Reason(rr.label, "gpu_unknown" if not rr.peak_tflops_dense else "model_unknown", 1,
+                              f"{rr.label}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not known "
+                              f"({rr.gpu or 'not in the log'}), so no reading could be checked against the dense "
+                              f"peak (pass {' and '.join(f.split()[0] for f in flags)})", flags))
         if rr.ambiguous_with:
-            lower(1, f"{rr.label}: another reading fits its log as well ({'; '.join(rr.ambiguous_with)})")
+            why.append(Reason(rr.label, "ambiguous", 1, f"{rr.label}: another reading fits its log as well "
+                                                        f"({'; '.join(rr.ambiguous_with)})", flags))
+    top = findings[0].kind if findings else ""
+    if top in ("compute_stall", "communication") and len(runs) > 1:
+        for r in runs:
+            if gradient_bytes(r) is None:
+                why.append(Reason(r.label, "allreduce_unknown", 1, f"{r.label}: the model's size is not known, so the "
+                                  "all-reduce's cost could not be told apart from compute (pass --model)", (MODEL_FLAG,)))
+    if top == "compute_stall" and len(runs) > 1 and all(r.device == "cpu" for r in runs):
+        for r in runs:
+            if cfg_value(r, "threads_per_process") is None:
+                why.append(Reason(r.label, "host_unknown", 1, f"{r.label}: its threads per process are not in the log "
+                                  "(torchrun gives each of several processes one), so slower compute per process "
+                                  "may be fewer threads, not a stall"))
+    level = max((w.level for w in why), default=0)
     return CONFIDENCE[level], why
+
+
+def settle_flags(reasons: list[Reason]) -> str:
+    """The flags that would let the checks behind a lowered confidence run, once each."""
+    return " ".join(dict.fromkeys(f for r in reasons for f in r.flags))
 
 
 def trusted(r: Run, rec: Reconstruction | None) -> bool:
@@ -557,18 +710,31 @@ def trusted(r: Run, rec: Reconstruction | None) -> bool:
 class Analysis:
     runs: list[Run]
     findings: list[Finding]
-    like_for_like: list[dict]
-    consistency: dict[str, list[dict]]
+    like_for_like: list[Setting]
+    consistency: dict[str, list[Check]]
     scaling: dict
     gbps: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     reconstruction: Reconstruction | None = None
     confidence: str = "high"
-    confidence_reasons: list[str] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         return self.findings[0].kind
+
+    @property
+    def confidence_reasons(self) -> list[str]:
+        return [r.text for r in self.reasons]
+
+    @property
+    def settle_with(self) -> str:
+        """Flags that would let the checks behind a lowered confidence run ('' when none would)."""
+        return settle_flags(self.reasons)
+
+    def headline(self) -> str:
+        """The report's first line: the verdict and its confidence, nothing else that reads like either."""
+        return f"Verdict: {self.verdict}, confidence {self.confidence}"
 
 
 def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None,
@@ -589,7 +755,10 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
     for r in runs:
         if not trusted(r, rec):
             continue
-        if mode not in ("not_comparable", "single_run") and r is not base and trusted(base, rec):
+        # runs that differ in more than the world size are no scaling: no growth is measured across them
+        comparable = mode not in ("not_comparable", "single_run") and not any(f.kind == "config_mismatch"
+                                                                              for f in findings)
+        if comparable and r is not base and trusted(base, rec):
             if r.has_breakdown and base.has_breakdown:
                 findings += phase_growth(base, r, th, gbps[r.label], effs[r.label])
             else:
@@ -601,9 +770,8 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
     findings = merge(findings)
     if not findings:
         findings = [healthy(runs, scaling, effs, gbps, mode)]
-    level, why = confidence(runs, rec, th)
-    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level,
-                    confidence_reasons=why)
+    level, why = confidence(runs, rec, th, findings)
+    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level, reasons=why)
 
 
 def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -> Finding:
@@ -616,20 +784,20 @@ def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -
     worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
     title = ("No fault found: every log is self-consistent, the runs are like for like"
              + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
-    ev, next_check = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
+    ev, advice = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
     if mode != "not_comparable" and len(runs) > 1:
         lost = largest_loss(base, runs[-1], gbps[runs[-1].label])
         if lost:
-            title += " " + lost["text"]
-            ev["largest_loss"] = {k: v for k, v in lost.items() if k not in ("text", "next_check")}
-            next_check = lost["next_check"] or next_check
-    return Finding("healthy", "info", title, ev, next_check)
+            title += " " + lost.text
+            ev["largest_loss"] = lost.evidence()
+            advice = lost.next_check or advice
+    return Finding("healthy", "info", title, ev, advice)
 
 
 # data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
 
 
-def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict | None:
+def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss | None:
     """Where a healthy run's lost efficiency goes: the phase of the largest run that exceeds its
     prediction from the baseline by the most (at least `floor` of the step), in words. Compute that
     grows while little communication is exposed, at a larger world size with collectives overlapping
@@ -642,8 +810,7 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
     phase, got, want, excess = max(rows, key=lambda r: r[3])
     if excess < floor * run.step_ms or excess <= noise[phase]:
         return None  # too small to name, or within the step-to-step jitter
-    out = {"run": run.label, "phase": phase, "ms_per_step": round(got, 3), "predicted_ms_per_step": round(want, 3),
-           "excess_ms_per_step": round(excess, 3), "share_of_step": round(excess / run.step_ms, 4), "next_check": ""}
+    out = Loss(run.label, phase, round(got, 3), round(want, 3), round(excess, 3), round(excess / run.step_ms, 4), "")
     text = (f"The largest loss, in {run.label}: {phase} takes {got:,.1f} ms per step where the baseline predicts "
             f"{want:,.1f} ms (+{excess:,.1f} ms, {100 * excess / run.step_ms:.0f}% of the step).")
     comm = run.phase_over_ranks("comm")
@@ -654,25 +821,23 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> dict 
         text += (f" ({mode}'s exposed communication cannot be told apart from compute in these logs: part of "
                  f"this may be waiting for collectives.)")
     elif overlapped and comm < excess:
-        out["cause"] = "overlap_contention"
-        out["exposed_comm_ms_per_step"] = round(comm, 3)
+        out.cause, out.exposed_comm_ms_per_step = "overlap_contention", round(comm, 3)
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
-        # what measured best on 4 x H200 (docs/performance.md); capping NCCL's CTAs measured slower
+        # the remedies in the order they measured best (docs/diagnosis.md, "Measured remedies")
         if traits.shards_params:
             fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
                    "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes")
         else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
-            fix = ("fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs "
-                   "(ddp's all-reduce split onto the copy engines measured slower)")
+            fix = "fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs"
             if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16":
                 fix = ("--parallelism.ddp_reduce_dtype bfloat16 halves the all-reduced bytes (the gradients are "
                        "summed over the ranks in bf16); beyond that, " + fix)
-        out["next_check"] = (
+        out.next_check = (
             "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
             "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. "
-            f"To shrink the overlap's cost: {fix}.")
-    out["text"] = text
+            f"To shrink the overlap's cost: {fix} (what each measured: docs/diagnosis.md, 'Measured remedies').")
+    out.text = text
     return out
 
 

@@ -16,7 +16,9 @@ within the tolerance of it. The score of a log is the share of agreeing figures 
 logger line derives from the same number count as one piece of evidence, not three. A reading is
 physically impossible when the per-GPU FLOP/s it implies exceed the GPU's dense bf16 peak (from
 titanlite.hardware), and suspect below `suspect_share` of it. The chosen reading is the possible one
-with the highest total score, then the fewest misreports; a reading of equal score needing at most
+whose measured figures (rates, tokens seen) contradict it in the fewest logs, then the one with the
+highest total score, then the fewest misreports: a printed setting that agrees never outweighs a
+measurement that does not; a reading of equal score needing at most
 one misreport more that gives other figures makes the answer ambiguous, and the report says so.
 
 Step time is the measurement the reconstruction trusts: it is a clock, and no misreport above
@@ -63,6 +65,7 @@ PEAK_MISREPORT = {2: "peak_2x_dense", 4: "peak_4x_dense"}  # sparse = fp8 = 2x d
 RATE_MISREPORT = {"one_gpu": "tokens_per_sec_is_one_gpu", "all_gpus": "tokens_per_sec_is_all_gpus"}
 MFU_MISREPORT = {"per_gpu_over_all": "mfu_per_gpu_over_all_gpus", "total_over_one": "mfu_all_gpus_over_one"}
 SOURCES = ("settings", "tokens seen", "rates", "constants")
+MEASURED = ("tokens seen", "rates")  # sources the run measured or counted, not printed from its settings
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,13 @@ class Evaluation:
     @property
     def possible(self) -> bool:
         return self.plausibility != "impossible"
+
+    @property
+    def contradicted(self) -> int:
+        """How many of the log's measured sources (its rates, its count of tokens seen) disagree with this
+        reading somewhere. The printed settings are what a misreport may have got wrong; a measurement
+        that contradicts the reading is evidence against it that no score of settings outweighs."""
+        return sum(any(not i.agrees for i in self.items if i.source == src) for src in MEASURED)
 
 
 @dataclass
@@ -362,8 +372,8 @@ def proposals(f: Facts, c: Conventions, tol: float) -> list[int]:
 
 def best(f: Facts, c: Conventions, tol: float, suspect_share: float) -> Evaluation | None:
     evs = [e for k in proposals(f, c, tol) if (e := evaluate(f, c, k, tol, suspect_share))]
-    return max(evs, key=lambda e: (e.possible, round(e.score, 9), -e.differs, -abs(e.micro_steps - f.accum)),
-               default=None)
+    return max(evs, key=lambda e: (e.possible, -e.contradicted, round(e.score, 9), -e.differs,
+                                   -abs(e.micro_steps - f.accum)), default=None)
 
 
 # ------------------------------------------------------------------------------ all logs
@@ -391,7 +401,8 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
         if any(e is None for e in evs):
             continue
         misreports = len(conv.misreports(max(f.world for f in facts))) + sum(e.differs for e in evs)
-        key = (-sum(not e.possible for e in evs), round(sum(e.score for e in evs), 9), -misreports)
+        key = (-sum(not e.possible for e in evs), -sum(e.contradicted for e in evs), round(sum(e.score for e in evs), 9),
+               -misreports)
         ranked.append((key, -i, evs))
     if not ranked:
         return [], []
@@ -399,7 +410,7 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
     top_key, _, chosen = ranked[0]
     differs = lambda a, b: a.micro_steps != b.micro_steps or abs(a.per_gpu - b.per_gpu) > tol * abs(b.per_gpu)
     # as well supported, needing at most one misreport more, yet saying the runs did something else
-    same = [evs for key, _, evs in ranked[1:] if key[:2] == top_key[:2] and key[2] >= top_key[2] - 1
+    same = [evs for key, _, evs in ranked[1:] if key[:3] == top_key[:3] and key[3] >= top_key[3] - 1
             and any(map(differs, evs, chosen))]
     return chosen, same
 

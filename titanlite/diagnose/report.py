@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from titanlite.diagnose.analysis import Analysis
@@ -79,13 +80,14 @@ def reconstruction_md(a: Analysis) -> list[str]:
 def markdown(a: Analysis) -> str:
     top = a.findings[0]
     effs = {row["run"]: row for row in a.scaling["runs"]}
-    md = ["# Scaling diagnosis", "",
-          f"**Verdict: `{top.kind}`** ({top.severity}). {top.title}", "",
-          f"**Next check:** {top.next_check}", "",
-          f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
-          ""]
+    md = [f"# {a.headline()}", ""]
+    if a.settle_with:
+        md += [f"**To settle it:** rerun diagnose with {a.settle_with}.", ""]
+    md += [top.title, "", f"**Next check:** {top.next_check}", "",
+           f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
+           ""]
     if len(a.findings) > 1:
-        md += ["Also found: " + "; ".join(f"`{f.kind}` ({f.severity}{', ' + f.run if f.run else ''})"
+        md += ["Also found: " + "; ".join(f"`{f.kind}` (severity {f.severity}{', ' + f.run if f.run else ''})"
                                           for f in a.findings[1:]) + ".", ""]
     md += reconstruction_md(a)
     md += ["## Runs", ""]
@@ -101,7 +103,7 @@ def markdown(a: Analysis) -> str:
                  "MFU logged (%)", "peak memory (GB)"], rows)
     md += ["## Findings, ranked", ""]
     for i, f in enumerate(a.findings, 1):
-        md += [f"### {i}. `{f.kind}` ({f.severity})", "", f.title, "", "- Evidence:"]
+        md += [f"### {i}. `{f.kind}`, severity {f.severity}", "", f.title, "", "- Evidence:"]
         md += evidence_lines(f.evidence)
         md += [f"- Next check: {f.next_check}", ""]
     md += ["## Time per optimizer step by phase (ms; fastest / median / slowest rank)", ""]
@@ -130,13 +132,13 @@ def markdown(a: Analysis) -> str:
                   if "efficiency_from_logged_tokens_per_sec" in row else "n/a"] for row in s["runs"]])
     md += ["## Like-for-like check", ""]
     md += table(["setting"] + [r.label for r in a.runs] + ["verdict"],
-                [[row["setting"]] + [("n/a" if v is None else f"`{v}`") for v in row["values"]]
-                 + ["same" if row["same"] else ("expected to differ" if row["ok"] else "**differs**")]
+                [[row.setting] + [("n/a" if v is None else f"`{v}`") for v in row.values]
+                 + ["same" if row.same else ("expected to differ" if row.ok else "**differs**")]
                  for row in a.like_for_like])
     md += ["## Self-consistency of each log", "",
            "Each logged rate recomputed from its inputs over the steady-state entries; the worst entry is shown.", ""]
-    rows = [[label, c["check"], c["worst_iter"], num(c["logged"], 3), num(c["recomputed"], 3),
-             f"{c['error_pct']:.2f}", "ok" if c["ok"] else "**inconsistent**"]
+    rows = [[label, c.check, c.worst_iter, num(c.logged, 3), num(c.recomputed, 3),
+             f"{c.error_pct:.2f}", "ok" if c.ok else "**inconsistent**"]
             for label, checks in a.consistency.items() for c in checks]
     md += table(["run", "check", "worst iter", "logged", "recomputed", "error (%)", "result"], rows)
     md += ["## Steady-state rule", "", WARMUP_RULE + ".", ""]
@@ -153,6 +155,8 @@ def to_json(a: Analysis) -> dict:
         "summary": a.findings[0].title,
         "confidence": a.confidence,
         "confidence_reasons": a.confidence_reasons,
+        "confidence_causes": [{"run": r.run, "cause": r.cause, "flags": list(r.flags)} for r in a.reasons],
+        "settle_with": a.settle_with,
         "findings": [f.to_json() for f in a.findings],
         "reconstruction": None if a.reconstruction is None else {
             "runs": [rr.to_json() for rr in a.reconstruction.runs],
@@ -160,8 +164,8 @@ def to_json(a: Analysis) -> dict:
             "scaling_mode": a.scaling["mode"],
             "logger_fixes": a.reconstruction.fixes},
         "scaling_efficiency": a.scaling,
-        "like_for_like": a.like_for_like,
-        "self_consistency": a.consistency,
+        "like_for_like": [asdict(row) for row in a.like_for_like],
+        "self_consistency": {label: [asdict(c) for c in checks] for label, checks in a.consistency.items()},
         "warmup_rule": WARMUP_RULE,
         "notes": a.notes,
         "link_gbps_assumed": a.gbps,

@@ -18,7 +18,7 @@ from titanlite.config import to_dict, to_toml
 from titanlite.metrics.breakdown import gather_breakdown, rank_breakdown
 from titanlite.metrics.console import Console
 from titanlite.metrics.nvml import GpuMonitor
-from titanlite.metrics.run_log import RunLog, summarize
+from titanlite.metrics.run_log import RunLog, host_facts, summarize
 from titanlite.metrics.tensorboard import TensorBoard
 from titanlite.models.args import FLOPS_CONVENTION, mfu_pct
 
@@ -61,7 +61,7 @@ def startup_info(cfg, f: RunFacts) -> dict:
         "data_parallel": f.mode,
     }
     hardware = {"device": f.device.type, "name": f.device_name, "count": f.world_size,
-                "peak_tflops_per_gpu": f.peak_tflops}
+                "peak_tflops_per_gpu": f.peak_tflops, "host": host_facts(torch.get_num_threads(), cfg.data.num_workers)}
     if f.device.type == "cuda":
         hardware["memory_gb"] = round(torch.cuda.get_device_properties(f.device).total_memory / 2**30, 1)
     return {

@@ -62,6 +62,13 @@ class RunLog:
 _END = b"]}\n"  # how the file ends: the iterations' list, the object, the line
 
 
+def host_facts(threads_per_process: int, data_workers: int) -> dict:
+    """The host side of a run that changes its speed, for the startup record: the machine's CPUs, the
+    process's intra-op threads (torchrun sets OMP_NUM_THREADS=1 when it starts several processes, where
+    a plain one-process launch uses every core) and the data workers each process starts."""
+    return {"cpus": os.cpu_count() or 0, "threads_per_process": threads_per_process, "data_workers": data_workers}
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
