@@ -39,6 +39,8 @@ from titanlite.checkpoint.integrity import ALGORITHM, checksum_problem, file_che
 from titanlite.checkpoint.layout import (FORMAT, MARKER, checkpoint_root, complete_steps, read_marker,
                                          step_dirs)
 from titanlite.checkpoint.lineage import abandon_after, abandoned_steps, finish_interrupted
+from titanlite.checkpoint.restricted import (RestrictedPlanner, RestrictedReader, UnsafeCheckpointError,
+                                             read_metadata, unsafe_cause)
 from titanlite.checkpoint.state_file import EncodedState, json_name, read_state
 from titanlite.checkpoint.writer import StateWriter
 from titanlite.config import ConfigError
@@ -409,6 +411,8 @@ class Checkpointer:
         except ConfigError:
             raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException; any unreadable checkpoint falls back
+            if unsafe := unsafe_cause(e):  # a pickle that would run code is refused, never fallen back from
+                raise unsafe from None
             return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         return None
 
@@ -417,14 +421,20 @@ class Checkpointer:
         # titanlite's state: each rank its own; with another rank count every rank reads rank 0's
         # (the loader state is a global stream position, so it re-shards from any rank's). Read
         # before DCP touches a live tensor, and agreed, so no rank enters DCP's collectives alone.
+        # DCP's metadata too, through the restricted unpickler: a pickle that would run code stops
+        # the load on every rank (they read the same file) before DCP is entered.
         try:
+            metadata = read_metadata(folder / ".metadata")
             own, problem = read_state(folder, self.dims.rank if same_world else 0), None
-        except ValueError as e:
+        except UnsafeCheckpointError:
+            raise
+        except (ValueError, OSError) as e:
             own, problem = None, str(e)
         if problem := self._agree(problem):
             raise ValueError(problem)
         state = self._state()
-        dcp.load(state, checkpoint_id=str(folder), process_group=self.group, no_dist=self.group is None)
+        dcp.load(state, storage_reader=RestrictedReader(folder, metadata), planner=RestrictedPlanner(folder),
+                 process_group=self.group, no_dist=self.group is None)
         set_state_dict(self.model, _optimizers(self.optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=OPTIONS)
         for name, obj in self.stateful.items():
