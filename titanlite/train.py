@@ -35,7 +35,7 @@ from titanlite.metrics.reporter import Reporter, RunFacts
 from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
 from titanlite.parallel import init_distributed, parallelize
 from titanlite.parallel.cuda_graphs import CudaGraphStep
 from titanlite.parallel.launcher_watch import watch_launcher
@@ -152,6 +152,8 @@ class Trainer:
         self.model = model = parallelize(model, cfg, self.dims)
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        if self.dims.is_main and (line := schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)):
+            logger.warning(line)
         self.state = TrainState()
         # Checkpoints: resume (or initial safetensors load) now, before anything reads the state.
         self.checkpointer = Checkpointer(

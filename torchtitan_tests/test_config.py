@@ -275,3 +275,30 @@ def test_machine_presets_check_at_their_size_and_say_where_their_figures_come_fr
 def test_machine_presets_cover_the_machines_users_run():
     names = {p.stem for p in MACHINE_PRESETS}
     assert {f"{m}_{n}" for m in ("llama_1.36b", "qwen3_1.8b") for n in ("1xh100", "8xh100", "8xh200", "8xb200")} <= names
+
+
+ALL_PRESETS = sorted((ROOT / "train_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", ALL_PRESETS, ids=lambda p: p.name)
+def test_presets_warm_up_within_their_steps_or_say_they_only_benchmark(path):
+    """A preset's lr peaks within its run and then decays, or its first comment line says it is for
+    benchmarking only."""
+    cfg = load_config(["--job.config_file", str(path)], 8 if "_8x" in path.name else 1)
+    first = path.read_text().splitlines()[0]
+    assert cfg.lr_scheduler.warmup_steps < cfg.training.steps or first.startswith("# Benchmark only"), first
+
+
+def test_a_warm_up_not_shorter_than_the_run_is_named_in_one_line():
+    """The warning names the schedule the run follows: the lr's last value as a share of its peak."""
+    from titanlite.optim import lr_factor, schedule_warning
+
+    cfg = load_config(["--training.steps", "1000", "--lr_scheduler.warmup_steps", "2000", "--optimizer.lr", "3e-4"])
+    line = schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)
+    end = lr_factor(999, 1000, 2000, "cosine", 0.1, 0.2)
+    assert abs(end - 0.5) < 1e-3  # step 1000 of a 2000-step warm-up
+    assert line == ("warning: lr_scheduler.warmup_steps (2000) is not shorter than training.steps (1000): the lr "
+                    f"rises linearly to 50% of its peak ({end * 3e-4:.2e} of 3.00e-04) at the last step and never "
+                    "decays; set training.steps above 2000 or lower lr_scheduler.warmup_steps")
+    cfg.lr_scheduler.warmup_steps = 999
+    assert schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr) is None
