@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -302,3 +303,45 @@ def test_a_warm_up_not_shorter_than_the_run_is_named_in_one_line():
                     "decays; set training.steps above 2000 or lower lr_scheduler.warmup_steps")
     cfg.lr_scheduler.warmup_steps = 999
     assert schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr) is None
+
+
+def test_float8_on_two_cpu_processes_is_refused_before_torchrun(tmp_path):
+    """A machine without GPUs (nvidia-smi finds none): run_train.sh with NGPU=2 stops in its config
+    check (one line, exit 2); the interpreter is never started on torch.distributed.run or
+    titanlite.train."""
+    calls, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("python", f'echo "$*" >> {calls}\nexec {sys.executable} "$@"'),
+                       ("nvidia-smi", 'echo "No devices were found"\nexit 6')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "NGPU": "2", "TITANLITE_INSTALL": "0", "PYTHON": str(bin_dir / "python"),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--training.dataset", "synthetic", "--float8.enable",
+                        "--job.dump_folder", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: float8.enable needs a GPU with compute capability >= 8.9 (H100-class), "
+                                     "not CPU; set float8.emulate=true to emulate it (tests only, slow)"]
+    started = calls.read_text().splitlines()
+    assert len(started) == 1 and started[0].startswith("-m titanlite.config.check --world-size 2"), started
+
+
+@pytest.mark.parametrize("args,capabilities,message", [
+    (["--float8.enable"], [(8, 0), (9, 0)], "float8.enable needs a GPU with compute capability >= 8.9 (H100-class), "
+                                            "not compute capability 8.0"),
+    (["--float8.enable"], None, None),  # nvidia-smi cannot tell: the ranks find out
+    (["--float8.enable", "--float8.emulate"], [], None),
+    (["--parallelism.fsdp_copy_engine_all_gather"], [], "needs CUDA GPUs and NCCL; this machine has no GPU"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "x"], None,
+     "activation_checkpoint.selective_option must be 'op' or a positive integer N; got 'x'"),
+])
+def test_launch_check_refuses_what_the_ranks_would(args, capabilities, message):
+    from titanlite.config.check import check_launch
+
+    cfg = load_config(args)
+    if message is None:
+        check_launch(cfg, capabilities)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_launch(cfg, capabilities)
