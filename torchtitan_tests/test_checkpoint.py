@@ -332,6 +332,30 @@ def test_per_rank_state_is_json_and_safetensors_and_never_unpickled(base, tmp_pa
     assert t.state.step == 4 and not sentinel.exists()
 
 
+def test_finished_job_run_again_says_so_and_leaves_the_folder_readable(base, tmp_path, caplog, capsys):
+    """The same command after the last step (how a job resumes): it says the job is finished, trains
+    and logs nothing, and compare, breakdown and plot read the folder (the first run's log)."""
+    from titanlite.tools import breakdown, compare, plot
+
+    folder = tmp_path / "job"
+    shutil.copytree(base[0], folder)
+    logs = sorted(folder.glob("run_*"))
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        t = Trainer(load_config(args(folder)))
+        summary = t.train()
+        t.close()
+    assert summary == {"steps": STEPS} and t.run_log is None
+    said = caplog.text + capsys.readouterr().out
+    assert (f"finished: checkpoint step-{STEPS} under {folder / 'checkpoint'} has reached training.steps ({STEPS}); "
+            f"nothing to train") in said
+    assert sorted(folder.glob("run_*")) == logs and complete_steps(folder / "checkpoint") == [6, 4]
+    assert compare.main([str(folder)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert len(rows) == 1 and rows[0].split()[-1] == next(folder.glob("run_*.json")).name
+    assert breakdown.main([str(folder)]) == 0
+    assert plot.main([str(folder), "--out", str(tmp_path / "plots")]) == 0
+
+
 # ------------------------------------------------------------------------ pickles that would run code
 class _Shell:
     """Unpickling this runs a shell command that creates `sentinel`."""

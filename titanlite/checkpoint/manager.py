@@ -53,7 +53,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # parameter, independent of how the optimizer groups or partitions them (zero1 included).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["Checkpointer", "CheckpointSaveError", "checkpoint_root", "complete_steps", "read_marker", "step_dirs",
+__all__ = ["Checkpointer", "CheckpointSaveError", "finished_line", "checkpoint_root", "complete_steps", "read_marker", "step_dirs",
            "MARKER"]
 
 
@@ -71,6 +71,13 @@ def lr_schedule(cfg, global_batch: int | None) -> dict:
     if s.decay_type == "wsd":
         out["lr_scheduler.decay_ratio"] = s.decay_ratio
     return out
+
+
+def finished_line(step: int, total: int, root: Path) -> str:
+    """What a job run again after it finished says (running the same command resumes, so a finished
+    job's command resumes its last step): nothing left to train, and how to train on."""
+    return (f"finished: checkpoint step-{step} under {root} has reached training.steps ({total}); nothing to train, "
+            f"no run log written (raise training.steps to train on from step {step})")
 
 
 def failure_cause(error: BaseException, folder: Path) -> str:

@@ -79,12 +79,13 @@ def startup_info(cfg, f: RunFacts) -> dict:
 
 
 class Reporter:
-    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int, host_group=None):
+    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int, host_group=None,
+                 write_log: bool = True):
         # host_group: a gloo group for the breakdown's gather, so a log step finished while the next
         # step runs does not queue a collective behind that step on the GPU and wait for it
         self.facts, self.rank, self.host_group = facts, rank, host_group
         self.console = Console(is_main, cfg.training.steps, cfg.metrics.progress_bar, start_step=start_step)
-        self.run_log = RunLog(cfg.job.dump_folder, startup_info(cfg, facts)) if is_main else None
+        self.run_log = RunLog(cfg.job.dump_folder, startup_info(cfg, facts)) if is_main and write_log else None
         if self.run_log:
             with open(os.path.join(cfg.job.dump_folder, f"run_{self.run_log.stamp}_config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
