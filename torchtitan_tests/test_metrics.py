@@ -384,3 +384,16 @@ def test_tensorboard_and_profiler_files(tmp_cache):
     trace = tmp_cache / "profile_traces" / "step2-3" / "rank0.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::mm" in ev.get("name", "") or "aten::addmm" in ev.get("name", "") for ev in events)
+
+
+def test_eta_is_the_steps_left_at_the_steady_step_time(capsys):
+    """Step 1 took 60 s (start-up, compilation), the next ones 20 s: with one step left the ETA is
+    20 s, not the elapsed time per step; a resumed run counts from its own first step."""
+    for start in (0, 100):
+        console = Console(True, start + 10, progress_bar=False, start_step=start)
+        for i, ms in enumerate([60000.0] + [20000.0] * 8, start=start + 1):
+            console.log_step({"iter": i, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "time_ms": ms,
+                              "tokens_per_sec": 1.0, "memory_peak_gb": 0.0})
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].endswith("eta 0:09:00")  # 9 steps left at the only time seen so far
+        assert lines[-1].endswith("eta 0:00:20"), lines[-1]
