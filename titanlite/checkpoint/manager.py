@@ -415,11 +415,12 @@ class Checkpointer:
         """Load `folder` into the live objects; the reason on failure (the same on every rank)."""
         try:
             self._load(folder, marker)
-        except ConfigError:
-            raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException; any unreadable checkpoint falls back
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             if unsafe := unsafe_cause(e):  # a pickle that would run code is refused, never fallen back from
-                raise unsafe from None
+                raise UnsafeCheckpointError(f"{unsafe}; move {folder} away to resume the checkpoint before it") from None
+            if isinstance(e, ConfigError):
+                raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
+            # any unreadable checkpoint falls back
             return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         return None
 
