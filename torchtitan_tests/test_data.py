@@ -1,9 +1,9 @@
-import logging
 """Training-time data: sharding across ranks, parity across world sizes, exact resume, re-sharding.
 
 The test corpus is an arange of tokens, so the first token of a window names the window.
 """
 
+import logging
 import os
 import subprocess
 import sys

@@ -7,16 +7,18 @@ left times the steady step time (validation and checkpoint saves not counted).
 
 from __future__ import annotations
 
+import bisect
 import sys
 
-from titanlite.metrics.run_log import mean, steady
+from titanlite.metrics.run_log import warmup_cutoff
 
 
 class Console:
     def __init__(self, enabled: bool, total_steps: int, progress_bar: bool = True, start_step: int = 0):
         self.enabled, self.total = enabled, total_steps
         self.start_step = start_step  # a resumed run's ETA counts only the steps this process ran
-        self.step_times: list[dict] = []  # this process's log steps: iter (from its start), time_ms
+        self.iters: list[int] = []  # this process's log steps (counted from its start) ...
+        self.time_sums: list[float] = [0.0]  # ... and the running sum of their time_ms (O(log n) per ETA)
         self.bar = None
         if enabled and progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -40,7 +42,8 @@ class Console:
             self.bar.refresh()
 
     def log_step(self, e: dict) -> None:
-        self.step_times.append({"iter": e["iter"] - self.start_step, "time_ms": e["time_ms"]})
+        self.iters.append(e["iter"] - self.start_step)
+        self.time_sums.append(self.time_sums[-1] + e["time_ms"])
         eta = (self.total - e["iter"]) * self.steady_step_ms() / 1000
         mfu = f" | mfu {e['mfu']:5.1f}%" if e.get("mfu") is not None else ""
         gpu = f" | gpu {e['gpu_util_pct']:.0f}% {e['power_w']:.0f} W" if e.get("gpu_util_pct") is not None else ""
@@ -52,7 +55,9 @@ class Console:
     def steady_step_ms(self) -> float:
         """The mean step time of this process's steady log steps (the run log's steady-state rule:
         start-up, compilation and warm-up left out once there are later steps to go by)."""
-        return mean(e["time_ms"] for e in steady(self.step_times).entries) or 0.0
+        first = bisect.bisect_right(self.iters, warmup_cutoff(self.iters[-1]))
+        first = min(first, len(self.iters) - 1)  # all within the warm-up: the last entry, as the rule says
+        return (self.time_sums[-1] - self.time_sums[first]) / (len(self.iters) - first)
 
     def close(self) -> None:
         if self.bar is not None:
