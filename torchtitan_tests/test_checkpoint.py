@@ -466,13 +466,13 @@ def test_checkpoint_written_before_the_restricted_reader_resumes_exactly(tmp_pat
     """A checkpoint written by commit 364d93a (DCP read with plain pickle then; made by the script in
     its folder, losses of its run beside it) loads through the restricted reader and its resumed steps
     equal an uninterrupted run of this code bit for bit, as do the steps before it."""
+    import importlib.util
     import json
 
-    sys.path.insert(0, str(OLD))
-    try:
-        from make import ARGS, TINY
-    finally:
-        sys.path.remove(str(OLD))
+    spec = importlib.util.spec_from_file_location("make_old_checkpoint", OLD / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    ARGS, TINY = make.ARGS, make.TINY
     from titanlite.models import MODEL_REGISTRY
 
     monkeypatch.setitem(MODEL_REGISTRY["llama"].flavors, "tiny", TINY)
