@@ -30,6 +30,7 @@ from titanlite.config import ConfigError, load_config, to_toml
 from titanlite.config.manager import check_combination
 from titanlite.hardware import GPUS_PER_NODE
 from titanlite.models import get_model_args
+from titanlite.optim import fitting_warmup
 from titanlite.parallel.modes import MODES
 
 from estimation.estimate import GIB, _Fits, floor_bytes, headroom, size, usable_bytes, what_could_fit
@@ -134,7 +135,7 @@ def _config(cfg, knobs: Knobs, local: int, accum: int, world: int, cuda_graphs: 
     from titanlite.config.manager import _set
 
     c = copy.deepcopy(cfg)
-    for key, value in {**knobs.settings(), "training.local_batch_size": local,
+    for key, value in {**knobs.settings(), "parallelism.data_parallel": knobs.mode, "training.local_batch_size": local,
                        "training.global_batch_size": local * accum * world, "training.cuda_graphs": cuda_graphs}.items():
         _set(c, key, value)
     c.estimate.recommend = False
@@ -292,8 +293,19 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def launch_line(world: int, path: str) -> str:
+    """How to run the written file: run_train.sh (config check, allocator setting) with its processes."""
+    nodes = -(-world // GPUS_PER_NODE)
+    if world == 1:
+        return f"./run_train.sh --job.config_file {path}"
+    rdzv = f'TORCHRUN_ARGS="--nnodes {nodes} --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500" ' if nodes > 1 else ""
+    return f"NGPU={world // nodes} {rdzv}./run_train.sh --job.config_file {path}"
+
+
 def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
     best = _config(cfg, c.knobs, c.local, c.accum, world, c.cuda_graphs)
+    s, steps = best.lr_scheduler, best.training.steps
+    s.warmup_steps = fitting_warmup(s.warmup_steps, steps)  # the lr peaks within the run, then decays
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     header = (f"# Recommended by python -m estimation --estimate.recommend for {world} x {cfg.estimate.hardware}: "
               f"{c.knobs.label()}, local batch {c.local} x accumulation {c.accum}"
@@ -301,8 +313,9 @@ def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
               + f"# predicted: peak {c.peak_bytes / GIB:.2f} GiB, {c.tokens_per_sec_per_gpu:,.0f} tokens/s per GPU, "
                 f"MFU {c.mfu_pct:.1f}%\n"
               + "".join(f"# {t}\n" for t in c.trade_offs())
-              + (f"# launch: torchrun --nproc_per_node {world} -m titanlite.train --job.config_file {path}\n"
-                 if world > 1 else f"# launch: ./run_train.sh --job.config_file {path}\n"))
+              + f"# schedule: warm-up {s.warmup_steps} of {steps} steps, then {s.decay_type} decay to "
+                f"{s.min_lr_factor:g} x the peak lr\n"
+              + f"# launch: {launch_line(world, path)}\n")
     # every setting written out, so the file says what runs; a config file does not name another one
     body = "\n".join(line for line in to_toml(best).splitlines() if not line.startswith("config_file ="))
     with open(path + ".tmp", "w") as fh:

@@ -295,6 +295,24 @@ def lr_factor(step: int, total: int, warmup: int, decay_type: str, min_factor: f
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_warning(s, total: int, lr: float) -> str | None:
+    """One line naming the schedule a run really follows when its warm-up (the lr_scheduler section
+    `s`) is not shorter than its `total` steps, else None: the lr then climbs to a fraction of its peak
+    and never decays."""
+    if s.warmup_steps < total:
+        return None
+    end = lr_factor(total - 1, total, s.warmup_steps, s.decay_type, s.min_lr_factor, s.decay_ratio)
+    return (f"warning: lr_scheduler.warmup_steps ({s.warmup_steps}) is not shorter than training.steps ({total}): "
+            f"the lr rises linearly to {end:.0%} of its peak ({end * lr:.2e} of {lr:.2e}) at the last step and "
+            f"never decays; set training.steps above {s.warmup_steps} or lower lr_scheduler.warmup_steps")
+
+
+def fitting_warmup(warmup: int, total: int) -> int:
+    """`warmup`, or a tenth of `total` steps where `warmup` is not shorter than `total` (so the lr
+    peaks and then follows its decay)."""
+    return warmup if warmup < total else total // 10
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, s, total: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The lr_scheduler section `s`'s schedule over `total` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(

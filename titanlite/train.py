@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root
+from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root, finished_line
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli
 from titanlite.config.manager import autocasts
 from titanlite.data import build_data
@@ -35,7 +35,7 @@ from titanlite.metrics.reporter import Reporter, RunFacts
 from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
 from titanlite.parallel import init_distributed, parallelize
 from titanlite.parallel.cuda_graphs import CudaGraphStep
 from titanlite.parallel.launcher_watch import watch_launcher
@@ -152,6 +152,8 @@ class Trainer:
         self.model = model = parallelize(model, cfg, self.dims)
         self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        if self.dims.is_main and (line := schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)):
+            logger.warning(line)
         self.state = TrainState()
         # Checkpoints: resume (or initial safetensors load) now, before anything reads the state.
         self.checkpointer = Checkpointer(
@@ -164,6 +166,7 @@ class Trainer:
             global_batch=self.global_batch)
         self.checkpointer.load()
         self.start_step = self.state.step  # where this process began (0, or the resumed step)
+        self.finished = self.state.step >= cfg.training.steps
         self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
 
         # The step: forward/backward over the micro-batches, clip, update (titanlite.step)
@@ -186,7 +189,8 @@ class Trainer:
                          self.attention_backend, self.device, self.device_name, self.peak, self.n_params,
                          self.model_args.num_params(exclude_embedding=True), self.flops_per_token,
                          self.data.description)
-        self.report = Reporter(cfg, facts, self.dims.is_main, self.dims.rank, self.state.step, self.checkpointer.group)
+        self.report = Reporter(cfg, facts, self.dims.is_main, self.dims.rank, self.state.step, self.checkpointer.group,
+                               write_log=not self.finished)  # a finished job run again trains nothing, logs nothing
         self.run_log = self.report.run_log
         self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
 
@@ -237,6 +241,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
         cfg, st = self.cfg, self.state
+        if self.finished:
+            self.report.info(finished_line(st.step, cfg.training.steps, self.checkpointer.root))
+            return {"steps": st.step}
         self.report.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params:,} params, "
                          f"{self.flops_per_token / 1e9:.2f} GFLOP/token | attention {self.attention_backend} | "
                          f"{self.dims.world_size} x {self.device_name} ({self.dims.mode}) | global batch "

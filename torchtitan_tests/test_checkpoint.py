@@ -4,6 +4,7 @@ ddp -> fsdp, SIGTERM) are in test_checkpoint_dist.py."""
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -329,6 +330,163 @@ def test_per_rank_state_is_json_and_safetensors_and_never_unpickled(base, tmp_pa
     t.close()
     assert "step-6 is unusable (ValueError: rank_0.safetensors: " in caplog.text
     assert t.state.step == 4 and not sentinel.exists()
+
+
+def test_finished_job_run_again_says_so_and_leaves_the_folder_readable(base, tmp_path, caplog, capsys):
+    """The same command after the last step (how a job resumes): it says the job is finished, trains
+    and logs nothing, and compare, breakdown and plot read the folder (the first run's log)."""
+    from titanlite.tools import breakdown, compare, plot
+
+    folder = tmp_path / "job"
+    shutil.copytree(base[0], folder)
+    logs = sorted(folder.glob("run_*"))
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        t = Trainer(load_config(args(folder)))
+        summary = t.train()
+        t.close()
+    assert summary == {"steps": STEPS} and t.run_log is None
+    said = caplog.text + capsys.readouterr().out
+    assert (f"finished: checkpoint step-{STEPS} under {folder / 'checkpoint'} has reached training.steps ({STEPS}); "
+            f"nothing to train") in said
+    assert sorted(folder.glob("run_*")) == logs and complete_steps(folder / "checkpoint") == [6, 4]
+    assert compare.main([str(folder)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert len(rows) == 1 and rows[0].split()[-1] == next(folder.glob("run_*.json")).name
+    assert breakdown.main([str(folder)]) == 0
+    assert plot.main([str(folder), "--out", str(tmp_path / "plots")]) == 0
+
+
+# ------------------------------------------------------------------------ pickles that would run code
+class _Shell:
+    """Unpickling this runs a shell command that creates `sentinel`."""
+
+    def __init__(self, sentinel):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _forge(step_folder, changed: list[str]) -> None:
+    """Rewrite complete.json's sizes and checksums of the `changed` files, as a forger would."""
+    import json
+
+    from titanlite.checkpoint.integrity import file_checksum
+
+    marker = json.loads((step_folder / "complete.json").read_text())
+    for name in changed:
+        marker["files"][name] = (step_folder / name).stat().st_size
+        marker["crc32"][name] = file_checksum(step_folder / name)
+    (step_folder / "complete.json").write_text(json.dumps(marker))
+
+
+def _refused_in_one_line(r, *fragments) -> str:
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def _run(module, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, argv)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+def test_metadata_whose_unpickling_runs_code_is_refused_by_resume_and_export(base, tmp_path):
+    """DCP's .metadata with a pickled os.system call inside an otherwise valid metadata object, the
+    marker rewritten to match: resume and export stop with one line naming the file, exit 2, and the
+    command never runs; nothing is fallen back to or moved."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder, _ = copy_run(base, tmp_path)
+    step6 = folder / "checkpoint" / "step-6"
+    metadata = FileSystemReader(str(step6)).read_metadata()  # the test's own reading of its own file
+    sentinel = tmp_path / "ran"
+    metadata.planner_data = {"x": _Shell(sentinel)}
+    (step6 / ".metadata").write_bytes(pickle.dumps(metadata))
+    _forge(step6, [".metadata"])
+    before = sorted(p.name for p in (folder / "checkpoint").iterdir())
+
+    r = _run("titanlite.train", *args(folder))
+    _refused_in_one_line(r, f"checkpoint file {step6 / '.metadata'} holds a pickle that calls posix.system",
+                         "nothing in it was run")
+    assert not re.search(r"^step\s+\d", r.stdout, re.M) and "unusable" not in r.stdout + r.stderr
+    r = _run("titanlite.checkpoint.export", "--checkpoint", folder / "checkpoint", "--output", tmp_path / "hf")
+    _refused_in_one_line(r, f"{step6 / '.metadata'} holds a pickle that calls posix.system")
+    assert not sentinel.exists() and not (tmp_path / "hf" / "model.safetensors").exists()
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == before
+
+
+def test_optimizer_entry_whose_unpickling_runs_code_is_refused(base, tmp_path):
+    """An optimizer hyperparameter (a non-tensor entry DCP torch.saves into the .distcp file) replaced
+    by a pickled os.system call: the payload appended to the data file, .metadata pointed at it and
+    complete.json rewritten. Resume stops with one line naming the file and the entry; nothing runs.
+    Export reads only the model's tensors and still converts the checkpoint."""
+    import dataclasses
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder, _ = copy_run(base, tmp_path)
+    step6 = folder / "checkpoint" / "step-6"
+    metadata = FileSystemReader(str(step6)).read_metadata()
+    key = next(k for k, m in metadata.state_dict_metadata.items()
+               if k.startswith("optimizer.param_groups.") and isinstance(m, BytesStorageMetadata))
+    index, info = next((i, d) for i, d in metadata.storage_data.items() if i.fqn == key)
+    sentinel = tmp_path / "ran"
+    payload = io.BytesIO()
+    torch.save(_Shell(sentinel), payload)
+    data = step6 / info.relative_path
+    offset = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    (step6 / ".metadata").write_bytes(pickle.dumps(metadata))
+    _forge(step6, [".metadata", info.relative_path])
+
+    r = _run("titanlite.train", *args(folder))
+    _refused_in_one_line(r, f"checkpoint file {step6 / info.relative_path} (entry {key}) holds a pickle that calls "
+                            f"posix.system")
+    assert not sentinel.exists()
+    r = _run("titanlite.checkpoint.export", "--checkpoint", step6, "--output", tmp_path / "hf")
+    assert r.returncode == 0 and "from " + str(step6) in r.stdout, r.stderr[-2000:]
+    assert not sentinel.exists()
+
+
+OLD = ROOT / "torchtitan_tests" / "data" / "checkpoint_364d93a"
+
+
+def test_checkpoint_written_before_the_restricted_reader_resumes_exactly(tmp_path, monkeypatch):
+    """A checkpoint written by commit 364d93a (DCP read with plain pickle then; made by the script in
+    its folder, losses of its run beside it) loads through the restricted reader and its resumed steps
+    equal an uninterrupted run of this code bit for bit, as do the steps before it."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("make_old_checkpoint", OLD / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    ARGS, TINY = make.ARGS, make.TINY
+    from titanlite.models import MODEL_REGISTRY
+
+    monkeypatch.setitem(MODEL_REGISTRY["llama"].flavors, "tiny", TINY)
+    old_losses = {int(k): v for k, v in json.loads((OLD / "losses.json").read_text()).items()}
+    whole = Trainer(load_config(ARGS + ["--job.dump_folder", str(tmp_path / "whole"), "--checkpoint.enable=false"]))
+    whole.train()
+    whole.close()
+    shutil.copytree(OLD / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    t = Trainer(load_config(ARGS + ["--job.dump_folder", str(tmp_path / "resumed")]))
+    assert t.state.step == 2
+    t.train()
+    t.close()
+    assert losses(t) == {3: losses(whole)[3], 4: losses(whole)[4]}
+    assert losses(whole) == old_losses
 
 
 # ------------------------------------------------------------------------------------- save failure

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -275,3 +276,72 @@ def test_machine_presets_check_at_their_size_and_say_where_their_figures_come_fr
 def test_machine_presets_cover_the_machines_users_run():
     names = {p.stem for p in MACHINE_PRESETS}
     assert {f"{m}_{n}" for m in ("llama_1.36b", "qwen3_1.8b") for n in ("1xh100", "8xh100", "8xh200", "8xb200")} <= names
+
+
+ALL_PRESETS = sorted((ROOT / "train_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", ALL_PRESETS, ids=lambda p: p.name)
+def test_presets_warm_up_within_their_steps_or_say_they_only_benchmark(path):
+    """A preset's lr peaks within its run and then decays, or its first comment line says it is for
+    benchmarking only."""
+    cfg = load_config(["--job.config_file", str(path)], 8 if "_8x" in path.name else 1)
+    first = path.read_text().splitlines()[0]
+    assert cfg.lr_scheduler.warmup_steps < cfg.training.steps or first.startswith("# Benchmark only"), first
+
+
+def test_a_warm_up_not_shorter_than_the_run_is_named_in_one_line():
+    """The warning names the schedule the run follows: the lr's last value as a share of its peak."""
+    from titanlite.optim import lr_factor, schedule_warning
+
+    cfg = load_config(["--training.steps", "1000", "--lr_scheduler.warmup_steps", "2000", "--optimizer.lr", "3e-4"])
+    line = schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)
+    end = lr_factor(999, 1000, 2000, "cosine", 0.1, 0.2)
+    assert abs(end - 0.5) < 1e-3  # step 1000 of a 2000-step warm-up
+    assert line == ("warning: lr_scheduler.warmup_steps (2000) is not shorter than training.steps (1000): the lr "
+                    f"rises linearly to 50% of its peak ({end * 3e-4:.2e} of 3.00e-04) at the last step and never "
+                    "decays; set training.steps above 2000 or lower lr_scheduler.warmup_steps")
+    cfg.lr_scheduler.warmup_steps = 999
+    assert schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr) is None
+
+
+def test_float8_on_two_cpu_processes_is_refused_before_torchrun(tmp_path):
+    """A machine without GPUs (nvidia-smi finds none): run_train.sh with NGPU=2 stops in its config
+    check (one line, exit 2); the interpreter is never started on torch.distributed.run or
+    titanlite.train."""
+    calls, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("python", f'echo "$*" >> {calls}\nexec {sys.executable} "$@"'),
+                       ("nvidia-smi", 'echo "No devices were found"\nexit 6')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "NGPU": "2", "TITANLITE_INSTALL": "0", "PYTHON": str(bin_dir / "python"),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run([str(ROOT / "run_train.sh"), "--training.dataset", "synthetic", "--float8.enable",
+                        "--job.dump_folder", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: float8.enable needs a GPU with compute capability >= 8.9 (H100-class), "
+                                     "not CPU; set float8.emulate=true to emulate it (tests only, slow)"]
+    started = calls.read_text().splitlines()
+    assert len(started) == 1 and started[0].startswith("-m titanlite.config.check --world-size 2"), started
+
+
+@pytest.mark.parametrize("args,capabilities,message", [
+    (["--float8.enable"], [(8, 0), (9, 0)], "float8.enable needs a GPU with compute capability >= 8.9 (H100-class), "
+                                            "not compute capability 8.0"),
+    (["--float8.enable"], None, None),  # nvidia-smi cannot tell: the ranks find out
+    (["--float8.enable", "--float8.emulate"], [], None),
+    (["--parallelism.fsdp_copy_engine_all_gather"], [], "needs CUDA GPUs and NCCL; this machine has no GPU"),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "x"], None,
+     "activation_checkpoint.selective_option must be 'op' or a positive integer N; got 'x'"),
+])
+def test_launch_check_refuses_what_the_ranks_would(args, capabilities, message):
+    from titanlite.config.check import check_launch
+
+    cfg = load_config(args)
+    if message is None:
+        check_launch(cfg, capabilities)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_launch(cfg, capabilities)

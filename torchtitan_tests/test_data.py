@@ -3,6 +3,7 @@
 The test corpus is an arange of tokens, so the first token of a window names the window.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -215,9 +216,18 @@ def test_bad_data_config(args, message):
         build_data(load_config(args), 0, 1)
 
 
-def test_validation_split_smaller_than_a_global_batch(arange_data):
-    with pytest.raises(ConfigError, match=r"validation split has 249 windows of 9 tokens, fewer than one global batch \(200 x 2\)"):
-        build_data(cfg_for(arange_data, batch=200), 0, 2)
+def test_validation_split_smaller_than_a_global_batch_validates_on_what_it_has(arange_data, caplog):
+    """249 windows for a global batch of 200 x 2: each rank reads one batch of 124 of them (disjoint,
+    248 in all), and rank 0 says so once."""
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        ranks = [build_data(cfg_for(arange_data, batch=200), r, 2) for r in (0, 1)]
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation:")]
+    assert notes == ["validation: the split has 249 windows of 9 tokens, fewer than one global batch (200 x 2): "
+                     "each validation reads those 249"]
+    batches = [list(d.make_val()) for d in ranks]
+    assert [len(b) for b in batches] == [1, 1] and [b[0][0].shape[0] for b in batches] == [124, 124]
+    seen = sorted(starts(batches[0]) + starts(batches[1]))
+    assert len(set(seen)) == 248 and all(v < 2000 for v in seen)
 
 
 def test_python_stdlib_is_a_prepared_folder(tmp_cache):

@@ -263,23 +263,26 @@ def option(line, pattern):
     return re.search(pattern, line).group(1)
 
 
-def test_advice_on_a_validation_split_too_small(tmp_path, corpus, tokenizer):
-    """The default --val-every on a one-document corpus: both pieces of advice lead to a run that trains."""
+def test_one_document_validates_at_default_settings(tmp_path, corpus, tokenizer, caplog):
+    """The default --val-every on a one-document corpus keeps a tenth of it (here less than a global
+    batch of 2048-token windows) for validation; a run validates, and one whose global batch exceeds
+    the windows there validates on those and says so."""
     folder = prepared(corpus, tokenizer, tmp_path / "data")
-    big = ("--training.local_batch_size", "8")
-    line = refusal(folder, *big)
-    assert "the validation split has" in line and "fewer than one global batch (8 x 1)" in line
-    trains(folder, *big, "--validation.enable=false", validates=False)
-    n = option(line, r"prepare the dataset again with --val-every (\d+) \(it was 200\)")
-    prepare.main(["--input", str(corpus), "--output", str(folder), "--tokenizer", str(tokenizer), "--workers", "1",
-                  "--val-every", n, "--overwrite"])
-    trains(folder, *big)
+    meta = json.loads((folder / "meta.json").read_text())
+    total = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
+    assert meta["val_from"] == "tail" and meta["splits"]["val"]["tokens"] == total // 10
+    trains(folder, "--training.local_batch_size", "8")
+    windows = (total // 10 - 1) // 16
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        trains(folder, "--training.local_batch_size", str(windows + 1))
+    assert (f"validation: the split has {windows} windows of 17 tokens, fewer than one global batch "
+            f"({windows + 1} x 1): each validation reads those {windows}") in caplog.text
 
 
 def test_advice_without_a_validation_split(tmp_path, corpus, tokenizer):
     folder = prepared(corpus, tokenizer, tmp_path / "data", "--val-every", "0")
     line = refusal(folder)
-    assert "the validation split has 0 windows" in line
+    assert "the validation split has no window of training.seq_len + 1 = 17 tokens" in line
     n = option(line, r"prepare the dataset again with --val-every (\d+) \(it was 0\)")
     prepared(corpus, tokenizer, folder, "--val-every", n, "--overwrite")
     trains(folder)
@@ -287,7 +290,7 @@ def test_advice_without_a_validation_split(tmp_path, corpus, tokenizer):
 
 def test_advice_on_a_corpus_too_small_for_validation(tmp_path, tokenizer):
     (tmp_path / "small.txt").write_text(TEXT[:200])
-    folder = prepared(tmp_path / "small.txt", tokenizer, tmp_path / "data", "--val-every", "2")
+    folder = prepared(tmp_path / "small.txt", tokenizer, tmp_path / "data", "--val-every", "0")
     line = refusal(folder, "--training.local_batch_size", "4")
     assert "too small for one validation batch beside training; set validation.enable=false" in line
     trains(folder, "--training.local_batch_size", "4", "--validation.enable=false", validates=False)
@@ -329,11 +332,45 @@ def test_advice_on_a_damaged_folder(tmp_path, corpus, tokenizer, damage):
 
 
 def test_advice_for_python_stdlib(monkeypatch):
-    """python_stdlib is fixed: the advice is about the run, and the advised batch has a validation batch."""
+    """python_stdlib is fixed: the advice is about the run (a shorter window), and it validates."""
+    from titanlite.data.stdlib_corpus import prepare_stdlib
+
     monkeypatch.setenv("TITANLITE_CACHE", SHARED_CACHE)
-    args = ["--training.seq_len", "4096"]
-    with pytest.raises(ConfigError, match="set validation.enable=false, or lower training.local_batch_size to") as e:
-        build_data(load_config(args + ["--training.local_batch_size", "64"]), 0, 1)
-    batch = option(str(e.value), r"local_batch_size to (\d+)")
-    assert next(build_data(load_config(args + ["--training.local_batch_size", batch]), 0, 1).make_val())
-    build_data(load_config(args + ["--training.local_batch_size", "64", "--validation.enable=false"]), 0, 1)
+    meta = json.loads((prepare_stdlib(2048) / "meta.json").read_text())
+    longest = max(s["tokens"] for s in meta["splits"]["val"]["shards"])
+    args = ["--training.seq_len", str(longest)]  # no validation window of seq_len + 1 tokens
+    with pytest.raises(ConfigError, match="set validation.enable=false, or lower training.seq_len to") as e:
+        build_data(load_config(args), 0, 1)
+    seq_len = option(str(e.value), r"lower training.seq_len to (\d+)")
+    assert next(build_data(load_config(["--training.seq_len", seq_len]), 0, 1).make_val())
+    build_data(load_config(args + ["--validation.enable=false"]), 0, 1)
+
+
+def test_json_package_source_as_one_document_trains_with_validation(tmp_path, monkeypatch, caplog):
+    """The standard library's json package, concatenated into one .txt (one document), prepared with
+    the defaults (the debug config's own tokenizer): the debug config trains 20 steps and validates."""
+    import json as json_package
+
+    from titanlite.data.stdlib_corpus import prepare_stdlib
+
+    source = sorted(Path(json_package.__file__).parent.glob("*.py"))
+    (tmp_path / "json.txt").write_text("\n".join(p.read_text() for p in source))
+    monkeypatch.setenv("TITANLITE_CACHE", SHARED_CACHE)
+    tok = prepare_stdlib(2048) / "tokenizer.json"
+    folder = prepared(tmp_path / "json.txt", tok, tmp_path / "data")
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["documents"] == 1 and meta["val_from"] == "tail"
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--training.dataset",
+                       "prepared", "--training.dataset_path", str(folder), "--training.steps", "20",
+                       "--job.dump_folder", str(tmp_path / "run"), "--metrics.progress_bar=false"])
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        t = Trainer(cfg)
+        try:
+            summary = t.train()
+        finally:
+            t.close()
+    assert summary["steps"] == 20 and np.isfinite(summary["val_loss"])
+    windows = (meta["splits"]["val"]["tokens"] - 1) // 256
+    assert 1 <= windows < 16 and f"the split has {windows} windows of 257 tokens" in caplog.text
+    (entry,) = t.run_log.data["validation"]
+    assert entry["iter"] == 20 and entry["val_loss"] == pytest.approx(summary["val_loss"], abs=1e-4)

@@ -222,7 +222,7 @@ def test_search_is_bounded_and_says_does_not_fit_first(tmp_path):
 def test_recommend_writes_a_toml_that_loads(tmp_path):
     out = tmp_path / "best.toml"
     p = _cli(*DEBUG, "--training.global_batch_size", "8", "--estimate.recommend", "--estimate.recommend_top", "2",
-             "--estimate.recommend_output", str(out), tmp=tmp_path)
+             "--estimate.recommend_output", str(out), "--lr_scheduler.warmup_steps", "2000", tmp=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "[recommend]" in p.stderr and f"best: {out}" in p.stdout
     rows = [line for line in p.stdout.splitlines() if line.lstrip()[:2] in ("1 ", "2 ")]
@@ -234,6 +234,23 @@ def test_recommend_writes_a_toml_that_loads(tmp_path):
     cfg = load_config(["--job.config_file", str(out)])
     t = cfg.training
     assert t.global_batch_size == 8 and 8 % t.local_batch_size == 0
+    # a schedule that peaks within the run (the 2000-step warm-up asked for is not shorter than the
+    # 1000 steps), the one-GPU mode it was ranked with, launched through run_train.sh
+    assert cfg.lr_scheduler.warmup_steps == 100 and t.steps == 1000
+    assert cfg.parallelism.data_parallel == "none"
+    comments = [line for line in out.read_text().splitlines() if line.startswith("#")]
+    assert f"# launch: ./run_train.sh --job.config_file {out}" in comments
+    assert "# schedule: warm-up 100 of 1000 steps, then cosine decay to 0.1 x the peak lr" in comments
+
+
+def test_recommended_launch_goes_through_run_train_sh():
+    """run_train.sh checks the config and sets the allocator; its NGPU is the processes per node."""
+    from estimation.recommend import launch_line
+
+    assert launch_line(1, "b.toml") == "./run_train.sh --job.config_file b.toml"
+    assert launch_line(8, "b.toml") == "NGPU=8 ./run_train.sh --job.config_file b.toml"
+    assert launch_line(16, "b.toml") == ('NGPU=8 TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d '
+                                         '--rdzv-endpoint HOST:29500" ./run_train.sh --job.config_file b.toml')
 
 
 def test_recommend_target_below_the_configured_local_batch():

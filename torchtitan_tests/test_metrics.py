@@ -308,6 +308,65 @@ def test_console_writes_no_colour_codes_to_a_pipe(capsys):
     assert "\x1b" not in out.out + out.err
 
 
+def wandb_records(path):
+    """The protobuf records of a W&B run file (.wandb): a 7-byte header (':W&B', magic, version),
+    then records in 32 KiB blocks, each with a 7-byte header (CRC-32, length, kind: 1 whole, 2 first,
+    3 middle, 4 last piece); a block's tail shorter than a header is padding."""
+    import struct
+
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zeros to the end of the block
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_what_tensorboard_logs(tmp_cache, monkeypatch):
+    """WANDB_MODE=offline, 3 steps: the offline run is under the run folder, named by the options,
+    with the run log's losses by step, the other scalars TensorBoard logs, and the validation loss."""
+    for var in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_ENTITY", "WANDB_DIR", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-variable")
+    cfg = load_config(TINY + ["--training.steps", "3", "--metrics.log_freq", "1", "--metrics.enable_wandb",
+                              "--metrics.wandb_run_name", "tiny-3", "--validation.enable", "--validation.steps", "1",
+                              "--job.dump_folder", str(tmp_cache)])
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    (run_file,) = (tmp_cache / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(wandb_records(run_file))
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "from-the-variable" and run.display_name == "tiny-3"
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.setdefault(items["_step"], {}).update(items)
+    entries = t.run_log.data["training_iterations"]
+    assert sorted(history) == [1, 2, 3]
+    assert [history[e["iter"]]["train/loss"] for e in entries] == pytest.approx([e["loss"] for e in entries], rel=1e-9)
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_sec", "memory/peak_gb",
+            "breakdown/compute_ms_median"} <= set(history[3])
+    assert history[3]["val/loss"] == pytest.approx(t.run_log.data["validation"][-1]["val_loss"], rel=1e-9)
+
+
 def test_tensorboard_and_profiler_files(tmp_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -325,3 +384,16 @@ def test_tensorboard_and_profiler_files(tmp_cache):
     trace = tmp_cache / "profile_traces" / "step2-3" / "rank0.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::mm" in ev.get("name", "") or "aten::addmm" in ev.get("name", "") for ev in events)
+
+
+def test_eta_is_the_steps_left_at_the_steady_step_time(capsys):
+    """Step 1 took 60 s (start-up, compilation), the next ones 20 s: with one step left the ETA is
+    20 s, not the elapsed time per step; a resumed run counts from its own first step."""
+    for start in (0, 100):
+        console = Console(True, start + 10, progress_bar=False, start_step=start)
+        for i, ms in enumerate([60000.0] + [20000.0] * 8, start=start + 1):
+            console.log_step({"iter": i, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "time_ms": ms,
+                              "tokens_per_sec": 1.0, "memory_peak_gb": 0.0})
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].endswith("eta 0:09:00")  # 9 steps left at the only time seen so far
+        assert lines[-1].endswith("eta 0:00:20"), lines[-1]

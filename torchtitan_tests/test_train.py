@@ -44,6 +44,21 @@ def test_logged_figures_are_consistent(tmp_cache):
         assert e["tflops"] == pytest.approx(e["tokens_per_sec"] * t.flops_per_token / 1e12, rel=1e-9)
 
 
+def test_a_run_warming_up_past_its_end_says_so_at_start(tmp_cache, caplog):
+    """warmup_steps >= steps: one warning line at start, before step 1, naming where the lr ends; the
+    logged lr of the last step is that value."""
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "3", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_cache), "--metrics.log_freq",
+                       "1", "--validation.enable=false", "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "1e-3"])
+    with caplog.at_level("WARNING", logger="titanlite"):
+        t = Trainer(cfg)
+    lines = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert len(lines) == 1 and "rises linearly to 50% of its peak (5.00e-04 of 1.00e-03)" in lines[0], lines
+    t.train()
+    t.close()
+    assert t.run_log.data["training_iterations"][-1]["lr"] == pytest.approx(5e-4)
+
+
 def test_tight_memory_is_said_once_from_the_allocators_retries(tmp_cache, monkeypatch, caplog):
     """alloc_retries (the CUDA allocator's cache releases, cumulative) goes into every log entry; a
     rise after the first log step is warned about once, naming the count; the first step's own

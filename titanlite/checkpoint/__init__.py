@@ -3,7 +3,7 @@ lineage, integrity, state_file, writer), preemption handling, and the Hugging Fa
 layout for export and initial load (hf, export)."""
 
 from titanlite.checkpoint.layout import checkpoint_root, complete_steps
-from titanlite.checkpoint.manager import Checkpointer, CheckpointSaveError
+from titanlite.checkpoint.manager import Checkpointer, CheckpointSaveError, finished_line
 from titanlite.checkpoint.preemption import Preemption
 
-__all__ = ["Checkpointer", "CheckpointSaveError", "Preemption", "checkpoint_root", "complete_steps"]
+__all__ = ["Checkpointer", "CheckpointSaveError", "Preemption", "checkpoint_root", "complete_steps", "finished_line"]

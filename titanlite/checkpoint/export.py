@@ -41,10 +41,14 @@ def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    from titanlite.checkpoint.restricted import RestrictedPlanner, RestrictedReader, read_metadata
+
+    metadata = read_metadata(folder / ".metadata")
     model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+             for k, m in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load({"model": model}, storage_reader=RestrictedReader(folder, metadata), planner=RestrictedPlanner(folder),
+             no_dist=True)
     return model
 
 
@@ -80,7 +84,8 @@ def main(argv: list[str]) -> None:
     except OSError as e:  # e.g. an output folder that cannot be written
         print(f"error: {e.strerror or e}: {e.filename or a.output}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {out} (config.json, safetensors{', tokenizer' if (out / 'tokenizer.json').exists() else ''})")
+    step = resolve_step_folder(a.checkpoint)
+    print(f"wrote {out} from {step} (config.json, safetensors{', tokenizer' if (out / 'tokenizer.json').exists() else ''})")
 
 
 if __name__ == "__main__":

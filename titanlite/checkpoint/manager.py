@@ -39,6 +39,8 @@ from titanlite.checkpoint.integrity import ALGORITHM, checksum_problem, file_che
 from titanlite.checkpoint.layout import (FORMAT, MARKER, checkpoint_root, complete_steps, read_marker,
                                          step_dirs)
 from titanlite.checkpoint.lineage import abandon_after, abandoned_steps, finish_interrupted
+from titanlite.checkpoint.restricted import (RestrictedPlanner, RestrictedReader, UnsafeCheckpointError,
+                                             read_metadata, unsafe_cause)
 from titanlite.checkpoint.state_file import EncodedState, json_name, read_state
 from titanlite.checkpoint.writer import StateWriter
 from titanlite.config import ConfigError
@@ -51,7 +53,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # parameter, independent of how the optimizer groups or partitions them (zero1 included).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-__all__ = ["Checkpointer", "CheckpointSaveError", "checkpoint_root", "complete_steps", "read_marker", "step_dirs",
+__all__ = ["Checkpointer", "CheckpointSaveError", "finished_line", "checkpoint_root", "complete_steps", "read_marker", "step_dirs",
            "MARKER"]
 
 
@@ -69,6 +71,13 @@ def lr_schedule(cfg, global_batch: int | None) -> dict:
     if s.decay_type == "wsd":
         out["lr_scheduler.decay_ratio"] = s.decay_ratio
     return out
+
+
+def finished_line(step: int, total: int, root: Path) -> str:
+    """What a job run again after it finished says (running the same command resumes, so a finished
+    job's command resumes its last step): nothing left to train, and how to train on."""
+    return (f"finished: checkpoint step-{step} under {root} has reached training.steps ({total}); nothing to train, "
+            f"no run log written (raise training.steps to train on from step {step})")
 
 
 def failure_cause(error: BaseException, folder: Path) -> str:
@@ -406,9 +415,12 @@ class Checkpointer:
         """Load `folder` into the live objects; the reason on failure (the same on every rank)."""
         try:
             self._load(folder, marker)
-        except ConfigError:
-            raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException; any unreadable checkpoint falls back
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if unsafe := unsafe_cause(e):  # a pickle that would run code is refused, never fallen back from
+                raise UnsafeCheckpointError(f"{unsafe}; move {folder} away to resume the checkpoint before it") from None
+            if isinstance(e, ConfigError):
+                raise  # the checkpoint is fine but does not fit this run's configuration (data, model)
+            # any unreadable checkpoint falls back
             return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
         return None
 
@@ -417,14 +429,20 @@ class Checkpointer:
         # titanlite's state: each rank its own; with another rank count every rank reads rank 0's
         # (the loader state is a global stream position, so it re-shards from any rank's). Read
         # before DCP touches a live tensor, and agreed, so no rank enters DCP's collectives alone.
+        # DCP's metadata too, through the restricted unpickler: a pickle that would run code stops
+        # the load on every rank (they read the same file) before DCP is entered.
         try:
+            metadata = read_metadata(folder / ".metadata")
             own, problem = read_state(folder, self.dims.rank if same_world else 0), None
-        except ValueError as e:
+        except UnsafeCheckpointError:
+            raise
+        except (ValueError, OSError) as e:
             own, problem = None, str(e)
         if problem := self._agree(problem):
             raise ValueError(problem)
         state = self._state()
-        dcp.load(state, checkpoint_id=str(folder), process_group=self.group, no_dist=self.group is None)
+        dcp.load(state, storage_reader=RestrictedReader(folder, metadata), planner=RestrictedPlanner(folder),
+                 process_group=self.group, no_dist=self.group is None)
         set_state_dict(self.model, _optimizers(self.optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=OPTIONS)
         for name, obj in self.stateful.items():

@@ -1,12 +1,69 @@
 """Validate a command line without importing torch: `python -m titanlite.config.check --world-size N ARGS`.
 
 run_train.sh calls this before torchrun so a typo costs a second, not a cluster start-up,
-and every error is one line with exit code 2.
+and every error is one line with exit code 2. Besides what `load_config` checks, it asks this
+node's GPUs (through nvidia-smi, not torch) about what needs a GPU, so a combination that cannot run
+here is refused before torchrun starts its ranks.
 """
 
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
 import sys
 
 from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
+
+FLOAT8_CAPABILITY = (8, 9)  # hardware float8 matmuls: Ada, Hopper, Blackwell
+
+
+def float8_refusal(where: str) -> str:
+    """The one line refusing float8.enable on `where` (the device or machine that lacks it)."""
+    return (f"float8.enable needs a GPU with compute capability >= {FLOAT8_CAPABILITY[0]}.{FLOAT8_CAPABILITY[1]} "
+            f"(H100-class), not {where}; set float8.emulate=true to emulate it (tests only, slow)")
+
+
+def gpu_capabilities() -> list[tuple[int, int]] | None:
+    """Compute capabilities of this node's NVIDIA GPUs: [] on a machine without nvidia-smi or without
+    GPUs, None when nvidia-smi cannot tell (an older driver)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        r = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if "No devices were found" in r.stdout + r.stderr:
+        return []
+    try:
+        return [tuple(int(x) for x in line.strip().split(".")) for line in r.stdout.splitlines() if line.strip()]
+    except ValueError:
+        return None
+
+
+def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
+    """Refuse what would otherwise fail only inside the ranks: settings that GPUs of these compute
+    capabilities ([]: none; None: unknown) cannot run, an activation-checkpoint option that is no
+    option, a logger whose package is not installed."""
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and not (ac.selective_option == "op" or (ac.selective_option.isdigit()
+                                                                       and int(ac.selective_option) >= 1)):
+        raise ConfigError(f"activation_checkpoint.selective_option must be 'op' or a positive integer N; "
+                          f"got '{ac.selective_option}'")
+    for enabled, package in ((cfg.metrics.enable_tensorboard, "tensorboard"), (cfg.metrics.enable_wandb, "wandb")):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.enable_{package} needs the {package} package (pip install {package})")
+    if capabilities is None:
+        return
+    if cfg.float8.enable and not cfg.float8.emulate:
+        lacking = [c for c in capabilities if c < FLOAT8_CAPABILITY]
+        if not capabilities or lacking:
+            raise ConfigError(float8_refusal("CPU" if not capabilities else
+                                             f"compute capability {lacking[0][0]}.{lacking[0][1]}"))
+    if cfg.parallelism.fsdp_copy_engine_all_gather and not capabilities:
+        raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL; this machine has no GPU")
 
 
 def main(argv: list[str]) -> None:
@@ -17,6 +74,7 @@ def main(argv: list[str]) -> None:
         world, argv = int(argv[1]), argv[2:]
     cfg = load_config(argv, world)
     resolve_batch(cfg, world)
+    check_launch(cfg, gpu_capabilities())
 
 
 if __name__ == "__main__":

@@ -180,6 +180,11 @@ class Metrics:
     log_freq: int = doc(10, "steps between log lines (host syncs happen only here)", min=1)
     peak_tflops: float = doc(0.0, "dense bf16 peak per GPU for MFU (0 = from the built-in table)", min=0.0)
     enable_tensorboard: bool = doc(False, "write TensorBoard scalars under the run folder")
+    enable_wandb: bool = doc(False, "log the same scalars to Weights & Biases from rank 0 (WANDB_MODE=offline: "
+                                    "kept under the run folder, no network)")
+    wandb_project: str = doc("", "W&B project ('' = WANDB_PROJECT, else 'titanlite')")
+    wandb_run_name: str = doc("", "W&B run name ('' = WANDB_NAME, else the run log's name)")
+    wandb_entity: str = doc("", "W&B entity, a user or team ('' = WANDB_ENTITY, else your default)")
     progress_bar: bool = doc(True, "show a progress bar on rank 0")
 
 

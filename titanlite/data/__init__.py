@@ -7,11 +7,14 @@ how to prepare a corpus. Importing this package does not import torch (the prepa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from titanlite.config import ConfigError
+
+logger = logging.getLogger("titanlite")
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +64,8 @@ def _prepared_folder(cfg, folder, dp_rank: int, dp_size: int, name: str) -> Data
     meta = read_meta(folder, remedy)
     verify_shards(folder, meta, remedy or again(folder, meta), note=dp_rank == 0)
     sl = cfg.training.seq_len
-    _check_windows(cfg, meta, dp_size, name)
+    if (note := _check_windows(cfg, meta, dp_size, name)) and dp_rank == 0:
+        logger.info(note)
     train, val = ShardWindows(folder, "train", sl, meta), ShardWindows(folder, "val", sl, meta)
     sp = meta["splits"]
     identity = f"{name}:{meta['tokenizer']['sha256'][:16]}:{sp['train']['tokens']}:{sp['val']['tokens']}"
@@ -71,7 +75,7 @@ def _prepared_folder(cfg, folder, dp_rank: int, dp_size: int, name: str) -> Data
                     str(Path(folder) / meta["tokenizer"]["file"]))
 
 
-def _tokens_for(windows: int, seq_len: int, shard_tokens: int) -> int:
+def tokens_for(windows: int, seq_len: int, shard_tokens: int) -> int:
     """Tokens a split needs to hold `windows` windows when written in shards of `shard_tokens`."""
     per_shard = (shard_tokens - 1) // seq_len
     if per_shard < 1:
@@ -102,19 +106,24 @@ def _val_every_for(meta: dict, need_tokens: int) -> int:
     return min(n, now - 1) if now else n
 
 
-def _check_windows(cfg, meta: dict, dp_size: int, name: str) -> None:
-    """Both splits hold enough windows for this run, or one line that says what to change, with numbers."""
+def _check_windows(cfg, meta: dict, dp_size: int, name: str) -> str:
+    """Both splits hold enough windows for this run, or one line that says what to change, with numbers.
+    A validation split with fewer windows than a global batch validates on those: returned is the
+    line that says so (empty otherwise)."""
     from titanlite.data.shards import windows_in
 
     t, b = cfg.training, cfg.training.local_batch_size
     sizes = {s: [sh["tokens"] for sh in meta["splits"][s]["shards"]] for s in ("train", "val")}
     need_val = b * dp_size if cfg.validation.enable else 0
     have = {s: windows_in(sizes[s], t.seq_len) for s in sizes}
-    if have["train"] >= 1 and have["val"] >= need_val:
-        return
+    if have["train"] >= 1 and (have["val"] >= 1 or not need_val):
+        if have["val"] >= need_val:
+            return ""
+        return (f"validation: the split has {have['val']} windows of {t.seq_len + 1} tokens, fewer than one global "
+                f"batch ({b} x {dp_size}): each validation reads those {have['val']}")
     if have["train"] < 1:
         fit_train = _largest_seq_len(sizes["train"], 1)
-        fit_val = _largest_seq_len(sizes["val"], need_val) if need_val else fit_train
+        fit_val = _largest_seq_len(sizes["val"], 1) if need_val else fit_train
         if fit_train < 1:
             advice = "prepare more text"
         elif fit_val < 1:
@@ -126,13 +135,12 @@ def _check_windows(cfg, meta: dict, dp_size: int, name: str) -> None:
             advice += f", or prepare the dataset again with --shard-tokens {t.seq_len + 1} or more"
         raise ConfigError(f"the train split has no window of training.seq_len + 1 = {t.seq_len + 1} tokens (its "
                           f"largest shard holds {longest:,}); {advice}")
-    what = (f"the validation split has {have['val']} windows of {t.seq_len + 1} tokens, fewer than one global batch "
-            f"({b} x {dp_size})")
+    what = f"the validation split has no window of training.seq_len + 1 = {t.seq_len + 1} tokens"
     off = "set validation.enable=false"
     if name == "python_stdlib":  # a fixed corpus: only the run can change
-        fit = have["val"] // dp_size
-        raise ConfigError(f"{what}; {off}" + (f", or lower training.local_batch_size to {fit}" if fit else ""))
-    n = _val_every_for(meta, _tokens_for(need_val, t.seq_len, meta.get("shard_tokens", 2**62)))
+        fit = _largest_seq_len(sizes["val"], 1)
+        raise ConfigError(f"{what}; {off}" + (f", or lower training.seq_len to {fit} or less" if fit else ""))
+    n = _val_every_for(meta, tokens_for(need_val, t.seq_len, meta.get("shard_tokens", 2**62)))
     if n < 2:
         raise ConfigError(f"{what}, and the corpus is too small for one validation batch beside training; {off}")
     now = meta.get("val_every", 0)

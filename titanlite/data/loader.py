@@ -225,8 +225,15 @@ def val_batches(dataset, batch: int, rank: int, world: int):
     """One pass over the validation windows in order, the same chunking as training.
 
     Every rank gets the same number of batches (the last partial global batch is dropped), so
-    collective ops in forward (FSDP) stay in step.
+    collective ops in forward (FSDP) stay in step. Fewer windows than one global batch make one
+    smaller batch per rank, of windows // world each (with fewer windows than ranks, rank r reads
+    window r mod windows).
     """
-    for k in range(len(dataset) // (batch * world)):
+    n = len(dataset)
+    if 0 < n < batch * world:
+        per = max(1, n // world)
+        yield dataset[[(rank * per + i) % n for i in range(per)]]
+        return
+    for k in range(n // (batch * world)):
         first = (k * world + rank) * batch
         yield dataset[list(range(first, first + batch))]

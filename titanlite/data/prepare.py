@@ -6,7 +6,8 @@
 Inputs: .txt (one document per file, read in line-aligned pieces of about 1 MB), .jsonl (one
 document per line, in --text-field) and .parquet (column --text-field; needs pyarrow). Every
 document is followed by the EOS token; every --val-every-th document goes to the validation split,
-or, when the corpus has fewer documents than that (a single .txt), the last 1/val_every of its tokens.
+or, when the corpus has fewer documents than that (a single .txt), the last 1/val_every of its tokens,
+raised to one default global batch of 2048-token windows where a tenth of the corpus holds them.
 Output: see titanlite/data/shards.py. Bad input stops with one line and exit code 2 and leaves no
 output; a bad jsonl/parquet record is skipped, counted and reported at the end.
 """
@@ -36,6 +37,7 @@ PIECE_CHARS = 1 << 20  # long .txt documents are tokenized in pieces of about th
 CHUNK_CHARS = 1 << 20  # characters sent to a tokenizer process per task
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 DEFAULT_VAL_EVERY = 200  # 0.5% of documents
+TAIL_SEQ_LEN = 2048  # a tail validation split holds a global batch of windows this long where the corpus allows
 MISSING_FIELD_ABORT = 1000  # a file whose first this-many records all lack the field is an error, not skips
 
 
@@ -319,18 +321,32 @@ def prepare_dataset(pieces: Callable[[Skips], Iterator[Piece]], output: str | Pa
     return meta
 
 
+def tail_tokens(total: int, val_every: int, shard_tokens: int) -> int:
+    """Tokens of a validation split cut from the end of a corpus with fewer documents than val_every:
+    1/val_every of them, raised to one default global batch of windows at seq_len 2048 (training's
+    default local batch on one rank) where a tenth of the corpus holds that, else to that tenth."""
+    from titanlite.config.job_config import Training
+    from titanlite.data import tokens_for
+
+    batch = tokens_for(Training.local_batch_size, TAIL_SEQ_LEN, shard_tokens)
+    return max(total // val_every, min(total // 10, batch))
+
+
 def _val_split(writer: ShardWriter, packer: _Packer, val_every: int, log: Callable[[str], None]) -> str:
     """How the validation split was made: "documents", "tail" (fewer documents than --val-every: the
-    last 1/val_every of the tokens, moved from the train split) or "none" (--val-every 0)."""
+    last tokens, `tail_tokens` of them, moved from the train split) or "none" (--val-every 0)."""
     if not val_every:
         return "none"
     if packer.documents["val"]:
         return "documents"
-    tail = writer.tokens["train"] // val_every
+    total = writer.tokens["train"]
+    tail = tail_tokens(total, val_every, writer.shard_tokens)
     if tail:
         writer.move_tail("train", "val", tail)
+    share = (f"1/{val_every} of them" if tail == total // val_every
+             else f"{tail / total:.1%} of them: more than 1/{val_every}, for a validation batch")
     log(f"validation split: the corpus has {packer.doc:,} document{'s' * (packer.doc != 1)}, fewer than --val-every "
-        f"{val_every}, so it is the last {tail:,} tokens (1/{val_every} of them) instead of whole documents")
+        f"{val_every}, so it is the last {tail:,} tokens ({share}) instead of whole documents")
     return "tail"
 
 
@@ -356,8 +372,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     ap.add_argument("--eos-token", default="", help="end-of-document token (default: the first of <|endoftext|>, </s>, ...)")
     ap.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY,
-                    help="every N-th document goes to the validation split, or the last 1/N of the tokens when "
-                         "there are fewer than N documents (N >= 2; 0 = no validation split)")
+                    help="every N-th document goes to the validation split, or, when there are fewer than N "
+                         "documents, the last 1/N of the tokens (at least one default global batch of 2048-token "
+                         "windows, at most a tenth of the corpus) (N >= 2; 0 = no validation split)")
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset in --output")

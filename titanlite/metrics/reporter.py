@@ -20,6 +20,7 @@ from titanlite.metrics.console import Console
 from titanlite.metrics.nvml import GpuMonitor
 from titanlite.metrics.run_log import RunLog, host_facts, summarize
 from titanlite.metrics.tensorboard import TensorBoard
+from titanlite.metrics.weights_biases import WandB
 from titanlite.models.args import FLOPS_CONVENTION, mfu_pct
 
 logger = logging.getLogger("titanlite")
@@ -78,17 +79,21 @@ def startup_info(cfg, f: RunFacts) -> dict:
 
 
 class Reporter:
-    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int, host_group=None):
+    def __init__(self, cfg, facts: RunFacts, is_main: bool, rank: int, start_step: int, host_group=None,
+                 write_log: bool = True):
         # host_group: a gloo group for the breakdown's gather, so a log step finished while the next
         # step runs does not queue a collective behind that step on the GPU and wait for it
         self.facts, self.rank, self.host_group = facts, rank, host_group
         self.console = Console(is_main, cfg.training.steps, cfg.metrics.progress_bar, start_step=start_step)
-        self.run_log = RunLog(cfg.job.dump_folder, startup_info(cfg, facts)) if is_main else None
+        self.run_log = RunLog(cfg.job.dump_folder, startup_info(cfg, facts)) if is_main and write_log else None
         if self.run_log:
             with open(os.path.join(cfg.job.dump_folder, f"run_{self.run_log.stamp}_config.toml"), "w") as fh:
                 fh.write(to_toml(cfg))
         self.tensorboard = (TensorBoard(cfg.job.dump_folder, self.run_log.stamp)
                             if self.run_log and cfg.metrics.enable_tensorboard else None)
+        self.wandb = (WandB(cfg, self.run_log.data["startup_info"]["config"], f"run_{self.run_log.stamp}")
+                      if self.run_log and cfg.metrics.enable_wandb else None)
+        self.loggers = [x for x in (self.tensorboard, self.wandb) if x is not None]  # scalars, rank 0
         self.gpu_monitor = GpuMonitor(facts.device)
         self._retries_seen: int | None = None  # alloc_retries at the previous log step
         self._warned_retries = False
@@ -125,8 +130,8 @@ class Reporter:
         entry["breakdown"] = gather_breakdown(local, timing_method, self.host_group)  # None off rank 0
         if self.run_log:
             self.run_log.append(entry)
-        if self.tensorboard:
-            self.tensorboard.log_step(entry)
+        for scalars in self.loggers:
+            scalars.log_step(entry)
         self.console.log_step(entry)
 
     def _warn_on_cache_releases(self, retries: int | None) -> None:
@@ -147,16 +152,17 @@ class Reporter:
         self.console.info(f"step {step}: validation loss {val_loss:.4f}")
         if self.run_log:
             self.run_log.add_validation({"iter": step, "val_loss": val_loss})
-        if self.tensorboard:
-            self.tensorboard.log_validation(step, val_loss)
+        for scalars in self.loggers:
+            scalars.log_validation(step, val_loss)
 
     def advance(self, step: int) -> None:
         self.console.advance(step)
 
     def finish(self, steps: int, val_loss: float | None) -> dict:
         """The run's summary: printed as one line, stored in the run log, returned."""
-        if self.tensorboard:
-            self.tensorboard.close()
+        for scalars in self.loggers:
+            scalars.close()
+        self.loggers = []
         summary = self.summary(steps, val_loss)
         self.console.close()
         self.console.info(" | ".join(f"{k} {v}" for k, v in summary.items()))
@@ -170,6 +176,9 @@ class Reporter:
         return out | ({"val_loss": round(val_loss, 4)} if val_loss is not None else {})
 
     def close(self) -> None:
+        for scalars in self.loggers:  # a run that stopped early: its W&B run is finished, its files closed
+            scalars.close()
+        self.loggers = []
         self.console.close()
 
 

@@ -107,6 +107,15 @@ class Steady:
         return ""
 
 
+def warmup_cutoff(last_iter: int, config: dict | None = None) -> int:
+    """The rule's warm-up of a run logged up to `last_iter`: log steps with iter <= this."""
+    config = config or {}
+    cutoff = max(1, int(WARMUP_FRACTION * last_iter))
+    if config.get("use_cuda_graphs") or config.get("training.cuda_graphs"):
+        cutoff += int(config.get("training.cuda_graphs_warmup", 10)) + 1
+    return cutoff
+
+
 def steady(entries: list[dict], config: dict | None = None, warmup_steps: int | None = None) -> Steady:
     """The one steady-state rule (STEADY_RULE). `warmup_steps` replaces the rule's cutoff with a
     fixed one (the tools' --warmup: the seed guides skip a fixed count)."""
@@ -114,12 +123,7 @@ def steady(entries: list[dict], config: dict | None = None, warmup_steps: int | 
     logged = [e for e in entries if isinstance(e.get("iter"), int)]
     if not logged:
         return Steady([], 0, 0, True)
-    if warmup_steps is None:
-        cutoff = max(1, int(WARMUP_FRACTION * max(e["iter"] for e in logged)))
-        if config.get("use_cuda_graphs") or config.get("training.cuda_graphs"):
-            cutoff += int(config.get("training.cuda_graphs_warmup", 10)) + 1
-    else:
-        cutoff = warmup_steps
+    cutoff = warmup_cutoff(max(e["iter"] for e in logged), config) if warmup_steps is None else warmup_steps
     rest = [e for e in logged if e["iter"] > cutoff and not e.get("warmup")]
     if not rest:
         return Steady(logged[-1:], len(logged), cutoff, True)

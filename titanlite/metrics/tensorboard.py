@@ -13,6 +13,19 @@ SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm
            "memory_peak_gb": "memory/peak_gb", "memory_reserved_gb": "memory/reserved_gb"}
 
 
+def step_scalars(e: dict) -> dict[str, float]:
+    """The scalars of a run-log entry, by tag (what TensorBoard and W&B log): the figures of SCALARS,
+    the median over ranks of each breakdown figure and the GPU counters, where present."""
+    out = {tag: e[key] for key, tag in SCALARS.items() if e.get(key) is not None}
+    for fig, s in (e.get("breakdown") or {}).get("stats", {}).items():
+        if s["median"] is not None:
+            out[f"breakdown/{fig}_median"] = s["median"]
+    for key in ("gpu_util_pct", "power_w", "sm_clock_mhz"):
+        if e.get(key) is not None:
+            out[f"gpu/{key}"] = e[key]
+    return out
+
+
 class TensorBoard:
     def __init__(self, dump_folder: str, stamp: str):
         try:
@@ -23,17 +36,8 @@ class TensorBoard:
         self.writer = SummaryWriter(log_dir=self.log_dir)
 
     def log_step(self, e: dict) -> None:
-        step = e["iter"]
-        for key, tag in SCALARS.items():
-            if e.get(key) is not None:
-                self.writer.add_scalar(tag, e[key], step)
-        # the median over ranks of each breakdown figure, and the spread of the step's busy time
-        for fig, s in (e.get("breakdown") or {}).get("stats", {}).items():
-            if s["median"] is not None:
-                self.writer.add_scalar(f"breakdown/{fig}_median", s["median"], step)
-        for key in ("gpu_util_pct", "power_w", "sm_clock_mhz"):
-            if e.get(key) is not None:
-                self.writer.add_scalar(f"gpu/{key}", e[key], step)
+        for tag, value in step_scalars(e).items():
+            self.writer.add_scalar(tag, value, e["iter"])
         self.writer.flush()
 
     def log_validation(self, step: int, val_loss: float) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import ConfigError
+from titanlite.config.check import FLOAT8_CAPABILITY, float8_refusal
 from titanlite.config.manager import bf16_copies
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 from titanlite.parallel.modes import MODES
@@ -28,7 +29,7 @@ from titanlite.parallel.modes import MODES
 # ------------------------------------------------------------------------------------------ float8
 def float8_supported(device: torch.device) -> bool:
     """Hardware float8 matmuls need compute capability 8.9+ (Ada / Hopper / Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_CAPABILITY
 
 
 def _float8_eligible(module: nn.Module, fqn: str) -> bool:
@@ -44,8 +45,7 @@ def apply_float8(model: nn.Module, f8, dims) -> None:
     the float8 config section `f8` says."""
     if not f8.emulate and not float8_supported(dims.device):
         where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
-        raise ConfigError(f"float8.enable needs a GPU with compute capability >= 8.9 (H100-class), not {where}; "
-                          f"set float8.emulate=true to emulate it (tests only, slow)")
+        raise ConfigError(float8_refusal(where))
     from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
     sharded = MODES[dims.mode].shards_params
