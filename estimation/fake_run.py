@@ -26,13 +26,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titanlite.config.manager import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import BACKENDS, SDPA, Manual
 from titanlite.optim import build_optimizer
-from titanlite.parallel import ParallelDims, parallelize
+from titanlite.parallel.apply import parallelize
 from titanlite.parallel.data_parallel import _fsdp, apply_ddp
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.step import StepHooks, build_train_step
 
 from estimation.tracker import StepTracker, view_bytes

@@ -55,7 +55,7 @@ def make_forward_loss(model: nn.Module, loss: str, autocast_device: str | None,
 
     `loss` is training.loss: "chunked" runs the output layer and the loss in token chunks inside the
     model's forward; "cross_entropy" takes full logits (compiled with the blocks when `compile_loss`).
-    `autocast_device` is the device type to run bf16 autocast on, or None (config.manager.autocasts).
+    `autocast_device` is the device type to run bf16 autocast on, or None (parallel.policy.autocasts).
     """
     loss_fn = torch.compile(cross_entropy) if compile_loss and loss == "cross_entropy" else cross_entropy
 
@@ -130,7 +130,7 @@ def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, gr
                      autocast_device: str | None, compile_loss: bool | None = None) -> TrainStep:
     """The step a run of `cfg` takes: its loss, the clip fused into the optimizer where the optimizer
     can take it (optimizer.fuse_clip), the NaN policy and float8's post-update hook. `autocast_device`
-    is the device type to autocast on (config.manager.autocasts), or None."""
+    is the device type to autocast on (parallel.policy.autocasts), or None."""
     from titanlite.parallel.apply import float8_post_step
     from titanlite.parallel.data_parallel import fused_clip_supported
 

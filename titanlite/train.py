@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli
-from titanlite.config.manager import autocasts
+from titanlite.parallel.policy import autocasts
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
 from titanlite.hardware import peak_tflops
@@ -36,7 +36,8 @@ from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel import init_distributed, parallelize
+from titanlite.parallel.apply import parallelize
+from titanlite.parallel.dims import init_distributed
 from titanlite.parallel.cuda_graphs import CudaGraphStep
 from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.step import (NonFiniteLossError, StepHooks, build_train_step, check_finite, global_step_losses,

@@ -232,7 +232,7 @@ def test_bf16_params_by_mode_and_precision(extra, world, device, copies, autocas
     """training.bf16_params is on by default and refused nowhere: where the run computes in bf16, one
     device, ddp and zero1 keep bf16 copies of the matrices (with autocast for the rest); fsdp/hsdp
     get bf16 from FSDP's policy, without autocast."""
-    from titanlite.config.manager import autocasts, bf16_copies
+    from titanlite.parallel.policy import autocasts, bf16_copies
 
     cfg = load_config(extra)
     check_combination(cfg, world)

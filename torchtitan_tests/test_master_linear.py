@@ -185,7 +185,7 @@ ACCUM = ["--training.global_batch_size", "8"]
 
 def first_step_grads(t) -> dict[str, torch.Tensor]:
     """The gradients of the first optimizer step's micro-batches, reduced as the step reduces them."""
-    from titanlite.parallel import grad_sync
+    from titanlite.parallel.data_parallel import grad_sync
 
     for micro in range(t.grad_accum):
         with grad_sync(t.model, micro == t.grad_accum - 1):

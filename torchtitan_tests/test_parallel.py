@@ -143,7 +143,7 @@ def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
     from types import SimpleNamespace
 
     from titanlite.models import build_model, get_model_args
-    from titanlite.parallel import parallelize
+    from titanlite.parallel.apply import parallelize
 
     def build(*extra):
         cfg = load_config(["--model.name", name, *extra])
@@ -208,7 +208,7 @@ def test_bad_selective_option_is_a_config_error(tmp_path):
 
 def test_hsdp_degrees_must_cover_the_world(monkeypatch):
 
-    from titanlite.config.manager import hsdp_shape
+    from titanlite.parallel.policy import hsdp_shape
 
     cfg = load_config(["--parallelism.replicate_degree", "3"])
     with pytest.raises(ConfigError, match=r"replicate_degree \(3\) x parallelism.shard_degree"):

@@ -19,8 +19,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from titanlite.config import ConfigError
-from titanlite.config.manager import bf16_copies
+from titanlite.errors import ConfigError
+from titanlite.parallel.policy import bf16_copies
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 from titanlite.parallel.modes import MODES
 

@@ -15,7 +15,8 @@ import inspect
 import torch
 import torch.nn as nn
 
-from titanlite.config.manager import ConfigError, computes_bf16, hsdp_shape
+from titanlite.errors import ConfigError
+from titanlite.parallel.policy import computes_bf16, hsdp_shape
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
