@@ -173,9 +173,9 @@ def test_selective_op_policy_saves_matmuls_and_attention():
     """selective 'op' keeps bf16 and float8 matmul outputs and attention, recomputes the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from titanlite.parallel.apply import _save_matmuls_policy
+    from titanlite.parallel.apply import save_matmuls_policy
 
-    aten, policy = torch.ops.aten, _save_matmuls_policy()
+    aten, policy = torch.ops.aten, save_matmuls_policy()
     for op in (aten.mm.default, aten._scaled_mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert policy(None, op) == CheckpointPolicy.MUST_SAVE, op
     for op in (aten.mul.Tensor, aten.silu.default, aten.add.Tensor):
@@ -187,12 +187,12 @@ def test_selective_op_policy_saves_flash_attention_custom_ops():
     afterwards keeps their outputs (stand-ins registered under the packages' op names here)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from titanlite.parallel.apply import _save_matmuls_policy
+    from titanlite.parallel.apply import save_matmuls_policy
 
     for ns in ("flash_attn", "flash_attn_3"):
         if not hasattr(getattr(torch.ops, ns), "_flash_attn_forward"):
             torch.library.custom_op(f"{ns}::_flash_attn_forward", mutates_args=())(_attention_stand_in)
-        assert _save_matmuls_policy()(None, getattr(torch.ops, ns)._flash_attn_forward.default) \
+        assert save_matmuls_policy()(None, getattr(torch.ops, ns)._flash_attn_forward.default) \
             == CheckpointPolicy.MUST_SAVE, ns
 
 
@@ -228,11 +228,11 @@ def test_float8_on_cpu_is_a_config_error(tmp_path):
 def test_float8_filter_skips_output_and_odd_shapes():
     import torch.nn as nn
 
-    from titanlite.parallel.apply import _float8_eligible
+    from titanlite.parallel.apply import float8_eligible
 
-    assert _float8_eligible(nn.Linear(128, 384), "layers.0.feed_forward.w1")
-    assert not _float8_eligible(nn.Linear(128, 2048), "output")
-    assert not _float8_eligible(nn.Linear(128, 100), "layers.0.attention.wq")
+    assert float8_eligible(nn.Linear(128, 384), "layers.0.feed_forward.w1")
+    assert not float8_eligible(nn.Linear(128, 2048), "output")
+    assert not float8_eligible(nn.Linear(128, 100), "layers.0.attention.wq")
 
 
 @pytest.mark.parametrize("name,flavor", [("llama", "1.36B"), ("qwen3", "1.8B")])
@@ -293,7 +293,7 @@ def test_cuda_graphs_on_cpu_log_once_and_match_eager(reference, tmp_path, caplog
 
 def test_forced_capture_failure_falls_back_cleanly(reference, tmp_path, caplog, monkeypatch):
     """Capture is attempted after warm-up; when it raises, the same batches run eagerly, once logged."""
-    from titanlite.parallel.cuda_graphs import CudaGraphStep
+    from titanlite.step import CudaGraphStep
 
     attempts = []
 
