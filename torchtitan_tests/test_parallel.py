@@ -140,10 +140,10 @@ def test_activation_checkpointing_changes_no_loss(reference, tmp_path, ac):
     t = Trainer(load_config(base_args(tmp_path, 8, *extra)))
     t.train()
     assert step_losses(t) == pytest.approx(reference, rel=1e-5)
-    runs = {}  # block -> its forward's runs in one forward and backward: 2 where the backward recomputes it
+    runs = {}  # block -> forwards started in one forward and backward: 2 where the backward recomputes it
     for name, wrapped in t.model.layers.named_children():
         block = next(m for m in wrapped.modules() if isinstance(m, TransformerBlock))
-        block.register_forward_hook(lambda *_, name=name: runs.__setitem__(name, runs.get(name, 0) + 1))
+        block.register_forward_pre_hook(lambda *_, name=name: runs.__setitem__(name, runs.get(name, 0) + 1))
     tokens = torch.randint(0, t.model_args.vocab_size, (2, 16))
     t.step.forward_loss(tokens, tokens).backward()
     assert sorted(n for n, k in runs.items() if k == 2) == (["0", "2"] if ac[-1] == "2" else ["0", "1", "2", "3"])
