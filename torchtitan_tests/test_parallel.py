@@ -163,7 +163,7 @@ def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
         cfg = load_config(["--model.name", name, *extra])
         with torch.device("meta"):
             model = build_model(get_model_args(name, "debug"), "sdpa", 32)
-        dims = SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu"))
+        dims = SimpleNamespace(world_size=1, rank=0, mode="none", device=torch.device("cpu"))
         return parallelize(model, cfg, dims)
 
     def weights(model):  # canonical names: wrappers add _orig_mod / _checkpoint_wrapped_module

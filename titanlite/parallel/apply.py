@@ -16,7 +16,6 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.errors import ConfigError
@@ -212,10 +211,8 @@ def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
     `wrap(model, cfg, dims)` replaces the mode's data-parallel wrapper: estimation's fake run wraps
     fake tensors on a fake process group, which needs a prebuilt mesh and its own DDP comm hook."""
     mode = MODES[dims.mode]
-    main = not dist.is_initialized() or dist.get_rank() == 0
-
     def applied(technique: str) -> None:  # each technique logged as it is applied, on the main rank
-        if main:
+        if dims.rank == 0:
             logger.info(f"parallelize: {technique}")
 
     if cfg.float8.enable:
