@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what is missing (titanlite's dependencies as run_train.sh installs them, torch first, then the
-# dev extras) and run the test suite: ./run_tests.sh [pytest args]
+# dev extras), check the import layers (pyproject.toml's import-linter contract) and run the test
+# suite: ./run_tests.sh [pytest args]
 set -eu
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -8,4 +9,5 @@ PYTHON="$PY" TITANLITE_INSTALL=only ./run_train.sh
 if ! "$PY" -m titanlite.tools.missing_deps pyproject.toml dev >/dev/null; then
   "$PY" -m pip install -e ".[dev]"
 fi
+"$PY" -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-cache
 exec "$PY" -m pytest -q "$@"

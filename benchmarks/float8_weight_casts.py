@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.models import MODEL_REGISTRY, build_model, get_model_args
-from titanlite.parallel.apply import _float8_eligible
+from titanlite.parallel.apply import float8_eligible
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -25,7 +25,7 @@ def float8_weight_shapes(model: str, flavor: str) -> list[tuple[int, int]]:
     with torch.device("meta"):
         m = build_model(get_model_args(model, flavor))
     return [tuple(mod.weight.shape) for fqn, mod in m.named_modules()
-            if isinstance(mod, nn.Linear) and _float8_eligible(mod, fqn)]
+            if isinstance(mod, nn.Linear) and float8_eligible(mod, fqn)]
 
 
 def amaxes(ws):

@@ -8,7 +8,7 @@ import sys
 import time
 
 from titanlite.config import ConfigError, resolve_batch, to_dict
-from titanlite.config.manager import data_parallel_mode
+from titanlite.parallel.policy import data_parallel_mode
 from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION

@@ -1,8 +1,7 @@
 """One rank of an N-GPU training run, on fake tensors: build, parallelize, step, measure.
 
-What runs is the trainer's own code: the model from titanlite.models on meta, `parallelize` (float8
--> activation checkpointing -> compile -> materialise -> bf16 parameters -> data-parallel wrapping),
-`build_optimizer`, and `titanlite.step.TrainStep` for the step itself (micro-batches, gradient sync
+What runs is the trainer's own code: the model from titanlite.models on meta, `parallelize` (the
+techniques in the order its docstring writes), `build_optimizer`, and `titanlite.step.TrainStep` for the step itself (micro-batches, gradient sync
 on the last, clip, update), watched through `MemoryHooks`. It all runs under FakeTensorMode with a
 fake process group of the target world size, so every collective, shard and buffer has the shape it
 has on the GPUs while no memory is touched.
@@ -26,13 +25,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titanlite.config.manager import autocasts, computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import BACKENDS, SDPA, Manual
 from titanlite.optim import build_optimizer
-from titanlite.parallel import ParallelDims, parallelize
+from titanlite.parallel.apply import parallelize
 from titanlite.parallel.data_parallel import _fsdp, apply_ddp
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.step import StepHooks, build_train_step
 
 from estimation.tracker import StepTracker, view_bytes
@@ -359,9 +359,9 @@ class FakeRun:
             if hasattr(local, "update_fn"):
                 local.update_fn = functools.partial(_one_pass_update, self.tracker)
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
-            # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU)
-            autocast = "cpu" if autocasts(run_cfg, world) else None
-            self.train_step = build_train_step(model, self.optimizer, run_cfg, 1, autocast, compile_loss=self.compiled)
+            # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU;
+            # mixed_precision_param was made explicit above)
+            self.train_step = build_train_step(model, self.optimizer, run_cfg, 1, self.dims, compile_loss=self.compiled)
             # optimizer state and DDP buckets exist from here on (compiled code runs as eager: no compile
             # for a shape that is never measured)
             with torch.compiler.set_stance("force_eager"):

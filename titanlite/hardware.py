@@ -73,3 +73,12 @@ def peak_tflops(device_name: str, override: float = 0.0) -> float | None:
 def keys() -> list[str]:
     """Every short key and alias, sorted (what --estimate.hardware accepts)."""
     return sorted([*BY_KEY, *ALIASES])
+
+
+FLOAT8_CAPABILITY = (8, 9)  # hardware float8 matmuls: Ada, Hopper, Blackwell
+
+
+def float8_refusal(where: str) -> str:
+    """The one line refusing float8.enable on `where` (the device or machine that lacks it)."""
+    return (f"float8.enable needs a GPU with compute capability >= {FLOAT8_CAPABILITY[0]}.{FLOAT8_CAPABILITY[1]} "
+            f"(H100-class), not {where}; set float8.emulate=true to emulate it (tests only, slow)")

@@ -123,6 +123,8 @@ class MasterAdamW(torch.optim.Optimizer):
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
 
+    takes_grad_scale = True  # the fused clip's interface (titanlite.parallel.data_parallel.fused_clip_supported)
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, fused: bool = False, moments_dtype: torch.dtype = torch.float32):
         # torch's AdamW keeps these in its parameter groups too, here with the values that describe this
@@ -251,6 +253,8 @@ def _zero_master_adamw_class():
         rewrites the bf16 copies of the parameters it did not update (the update kernel wrote those of
         its own). The fused clip's `grad_scale` / `found_inf`, set on this object, go to the local
         MasterAdamW."""
+
+        takes_grad_scale = True
 
         def __init__(self, params, **kw):
             super().__init__(params, **kw)

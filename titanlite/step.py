@@ -1,8 +1,9 @@
 """One training step: forward and backward over the micro-batches (gradient accumulation), the
-gradient clip and the optimizer update.
+gradient clip and the optimizer update; and its CUDA-graph runner, which captures the step once and
+replays it.
 
 The same `TrainStep` serves three callers, each watching it through its own `StepHooks`:
-- the Trainer's eager loop (phase timers and fault injection);
+- the Trainer's loop (phase timers and fault injection), eagerly or through `CudaGraphStep`;
 - CUDA graphs, which capture one call and replay it (no hooks, gradients left in place);
 - estimation's fake run on fake tensors (memory phases per micro-step).
 The lr scheduler, logging and checkpoints stay with the caller: a replayed graph skips this code.
@@ -13,14 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.ops.loss import cross_entropy
-from titanlite.parallel.data_parallel import clip_grad_norm, grad_sync
+from titanlite.parallel.apply import float8_scale_hook
+from titanlite.parallel.data_parallel import clip_grad_norm, fused_clip_supported, grad_sync
+from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import autocasts
+
+logger = logging.getLogger("titanlite")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _NULL = contextlib.nullcontext()
@@ -55,7 +63,7 @@ def make_forward_loss(model: nn.Module, loss: str, autocast_device: str | None,
 
     `loss` is training.loss: "chunked" runs the output layer and the loss in token chunks inside the
     model's forward; "cross_entropy" takes full logits (compiled with the blocks when `compile_loss`).
-    `autocast_device` is the device type to run bf16 autocast on, or None (config.manager.autocasts).
+    `autocast_device` is the device type to run bf16 autocast on, or None (parallel.policy.autocasts).
     """
     loss_fn = torch.compile(cross_entropy) if compile_loss and loss == "cross_entropy" else cross_entropy
 
@@ -89,7 +97,6 @@ class TrainStep:
     # training.on_nan: "skip" drops an update with non-finite gradients (on the device when the
     # optimizer can, else after one host sync); "stop" leaves it to the caller's loss check
     on_nan: str = "stop"
-    post_update: Callable[[], None] = lambda: None  # e.g. float8's scale precompute under FSDP
     # Release gradients after the update. A captured graph keeps them: its first backward writes
     # them afresh on every replay.
     zero_grad: bool = True
@@ -120,28 +127,30 @@ class TrainStep:
                 skipped = True
             else:
                 self.optimizer.step()  # a fused kernel skips a non-finite step on the device itself
-                self.post_update()
             if self.zero_grad:
                 self.optimizer.zero_grad(set_to_none=True)
         return StepOut(total, grad_norm, skipped)
 
 
-def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, grad_accum: int,
-                     autocast_device: str | None, compile_loss: bool | None = None) -> TrainStep:
-    """The step a run of `cfg` takes: its loss, the clip fused into the optimizer where the optimizer
-    can take it (optimizer.fuse_clip), the NaN policy and float8's post-update hook. `autocast_device`
-    is the device type to autocast on (config.manager.autocasts), or None."""
-    from titanlite.parallel.apply import float8_post_step
-    from titanlite.parallel.data_parallel import fused_clip_supported
-
+def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, grad_accum: int, dims,
+                     compile_loss: bool | None = None) -> TrainStep:
+    """The step a run of `cfg` takes on `dims` (titanlite.parallel.dims.ParallelDims): its loss, bf16
+    autocast where the run policy says so (titanlite.parallel.policy.autocasts), the clip fused into
+    the optimizer where the optimizer can take it (optimizer.fuse_clip) and the NaN policy. Work that
+    follows every update (float8's scale precompute under FSDP) is registered as the optimizer's
+    post-step hook, so a captured step replays it too."""
+    hook = float8_scale_hook(model, cfg.float8)
+    if hook is not None:
+        optimizer.register_step_post_hook(hook)
+    autocast = dims.device.type if autocasts(cfg, dims.world_size, dims.device.type) else None
     fuse = cfg.optimizer.fuse_clip and fused_clip_supported(optimizer)
     return TrainStep(
         model, optimizer,
-        make_forward_loss(model, cfg.training.loss, autocast_device,
+        make_forward_loss(model, cfg.training.loss, autocast,
                           compile_loss=cfg.compile.enable if compile_loss is None else compile_loss),
         grad_accum, cfg.training.max_norm,
         clip_into=optimizer if fuse else None,  # the clip scale goes into the AdamW kernel
-        on_nan=cfg.training.on_nan, post_update=lambda: float8_post_step(model, cfg.float8))
+        on_nan=cfg.training.on_nan)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -153,8 +162,6 @@ def global_step_losses(losses: list[torch.Tensor], world_size: int) -> torch.Ten
     work, no host sync."""
     stacked = torch.stack(losses).float()
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
     return stacked
 
@@ -185,7 +192,136 @@ def validation_loss(model: nn.Module, batches, steps: int, forward_loss, device:
     model.train()
     stats = torch.stack([total, torch.tensor(float(n), device=device)])
     if world_size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(stats)
     return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+class CudaGraphStep:
+    """training.cuda_graphs: the step run as a CUDA graph, called as the eager `TrainStep` is.
+
+    After `warmup` eager steps (run on a side stream, as capture requires), the next call captures
+    every micro-batch's forward and backward, the gradient clip and the optimizer step, reading its
+    inputs from static buffers; later calls copy their batches into those buffers and replay the
+    graph. The optimizer is built capturable (lr and step counters on device; titanlite.optim), so
+    only the lr scheduler, which writes the lr tensor in place, runs on the host.
+
+    The captured gradients are the static tensors the graph writes: the first backward of a captured
+    step assigns them (they were None at capture), later micro-steps accumulate, so nothing zeroes
+    them between replays.
+
+    Safety: capture executes nothing, so when it fails (an op that syncs with the host, a collective
+    library without graph support, ...) the reason is logged once, the graph is dropped and the same
+    batches run eagerly: a failure costs speed, never a wrong result. Ranks agree on the outcome so
+    that all of them fall back together."""
+
+    def __init__(self, step: TrainStep, device: torch.device, warmup: int, dp_mode: str):
+        self.eager = step
+        # The captured step keeps its gradients: the first backward of each replay writes them afresh
+        self.step_fn = dataclasses.replace(step, zero_grad=False)
+        self.optimizer, self.grad_accum, self.device = step.optimizer, step.grad_accum, device
+        self.warmup = max(warmup, MODES[dp_mode].min_graph_warmup)  # DDP settles its buckets first
+        self.graph = None
+        self.failed = False
+        self.static_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.static_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.calls = 0  # steps run by this process: warm-up restarts on resume
+
+    @staticmethod
+    def available(device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"CUDA graphs need a CUDA device (this run is on {device.type})"
+        return True, ""
+
+    @classmethod
+    def build(cls, enabled: bool, step: TrainStep, device: torch.device, warmup: int, dp_mode: str,
+              is_main: bool = True) -> "CudaGraphStep | None":
+        """The graph helper, or None (logged once) when CUDA graphs are off or cannot run here."""
+        if not enabled:
+            return None
+        ok, why = cls.available(device)
+        if not ok:
+            if is_main:
+                logger.warning(f"training.cuda_graphs is unavailable: {why}; training eagerly")
+            return None
+        return cls(step, device, warmup, dp_mode)
+
+    def __call__(self, next_batch: Callable[[int], Batch], hooks: StepHooks = NO_HOOKS) -> StepOut:
+        """Run the step on micro-batches `next_batch(0) ... next_batch(grad_accum - 1)`: eagerly while
+        warming up or after a failed capture, else as one replay."""
+        self.calls += 1
+        if self.failed or self.calls <= self.warmup:
+            with self.warmup_context():
+                return self.eager(next_batch, hooks)
+        batches = []
+        for micro in range(self.grad_accum):
+            with hooks.data(micro):
+                batches.append(next_batch(micro))
+        with hooks.micro_step(self.grad_accum - 1, True):  # forward, backward and optimizer step in one replay
+            out = self.step(batches)
+        if out is None:  # capture failed: the batches it fetched run eagerly, so no data is skipped
+            return self.eager(batches.__getitem__, hooks)
+        return StepOut(*out, skipped=False)
+
+    def warmup_context(self):
+        """Eager steps before capture run on a side stream: capture happens off the default stream,
+        and the lazily created state (cuBLAS workspaces, DDP buckets) must be made there too."""
+        if self.side_stream is None or self.graph is not None or self.failed:
+            return contextlib.nullcontext()
+        return self._on_side_stream()
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side_stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+
+    def _capture(self, batches) -> None:
+        self.static_batches = [(x.clone(), y.clone()) for x, y in batches]
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the eager step without hooks: what gets captured
+            out = self.step_fn(self.static_batches.__getitem__)
+            self.static_out = out.loss, out.grad_norm
+        self.graph = graph
+
+    def _agree(self, failed: bool) -> bool:
+        """True if any rank failed: all ranks then fall back together (collectives stay matched)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def release(self) -> None:
+        """Free the captured graph. Call before destroy_process_group: a live graph holding NCCL
+        kernels makes the communicator's destruction hang (pytorch/pytorch#115388; seen here as a
+        captured DDP run on 2 GPUs that did not exit within its timeout)."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graph.reset()
+        self.graph, self.static_out, self.static_batches = None, None, []
+
+    def step(self, batches) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run one captured step on `batches`; None when capture failed (then run them eagerly)."""
+        if self.graph is None:
+            error = None
+            try:
+                self._capture(batches)
+            except Exception as e:  # any capture failure: report it, never train on a broken graph
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self._agree(error is not None):
+                self.graph, self.static_out, self.static_batches, self.failed = None, None, [], True
+                self.optimizer.zero_grad(set_to_none=True)
+                logger.warning(f"CUDA graph capture failed ({error or 'on another rank'}); "
+                               f"continuing without CUDA graphs")
+                return None
+            logger.info(f"captured the training step as a CUDA graph ({self.grad_accum} micro-batches); replaying it")
+        else:
+            for (sx, sy), (x, y) in zip(self.static_batches, batches):
+                sx.copy_(x, non_blocking=True)
+                sy.copy_(y, non_blocking=True)
+        self.graph.replay()
+        loss, grad_norm = self.static_out
+        return loss.clone(), grad_norm.clone()  # the next replay overwrites the static outputs

@@ -1,9 +1,10 @@
 """The Trainer: config -> build on meta -> parallelize -> materialise -> train loop.
 
 Read it top to bottom: `Trainer.__init__` builds everything, `train_step` is one optimizer step
-(with gradient accumulation), `train` is the loop with logging, validation and checkpoints.
-Host syncs (`.item()`, printing) happen only for log steps, and a log step's figures are read once
-the next step is queued behind it (`LogPoint`), so the GPU does not wait while the host logs.
+(with gradient accumulation, eager or a CUDA-graph replay), `train` is the loop with logging,
+validation and checkpoints, one phase after another. Host syncs (`.item()`, printing) happen only for
+log steps, and a log step's figures are read once the next step is queued behind it (`LogPoint`), so
+the GPU does not wait while the host logs. `main` runs a Trainer and tears the process down.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch.distributed as dist
 
 from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root, finished_line
 from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli
-from titanlite.config.manager import autocasts
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
 from titanlite.hardware import peak_tflops
@@ -36,11 +36,11 @@ from titanlite.metrics.timing import StepTimer
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
-from titanlite.parallel import init_distributed, parallelize
-from titanlite.parallel.cuda_graphs import CudaGraphStep
+from titanlite.parallel.apply import parallelize
+from titanlite.parallel.dims import init_distributed
 from titanlite.parallel.launcher_watch import watch_launcher
-from titanlite.step import (NonFiniteLossError, StepHooks, build_train_step, check_finite, global_step_losses,
-                            validation_loss)
+from titanlite.step import (CudaGraphStep, NonFiniteLossError, StepHooks, build_train_step, check_finite,
+                            global_step_losses, validation_loss)
 
 logger = logging.getLogger("titanlite")
 
@@ -144,8 +144,8 @@ class Trainer:
                               f"or more")
         self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
 
-        # Build on meta (no memory); parallelize applies float8 -> AC -> compile, materialises and
-        # initialises the full weights identically on every rank, then wraps for data parallelism.
+        # Build on meta (no memory), then parallelize: the techniques in their one order
+        # (titanlite.parallel.apply.parallelize), the weights materialised and initialised on the way.
         with torch.device("meta"):
             model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len,
                                 cfg.training.loss_chunk_tokens, cfg.model.init)
@@ -169,30 +169,38 @@ class Trainer:
         self.finished = self.state.step >= cfg.training.steps
         self.preemption = Preemption(self.checkpointer.group)  # SIGTERM/SIGINT: finish the step, save, exit
 
-        # The step: forward/backward over the micro-batches, clip, update (titanlite.step)
-        autocast = self.device.type if autocasts(cfg, self.dims.world_size, self.device.type) else None
-        self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, autocast)
+        # The step (titanlite.step): forward/backward over the micro-batches, clip, update; with
+        # training.cuda_graphs the same step captured once and replayed (None when off or unavailable)
+        self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, self.dims)
+        self.cuda_graph = CudaGraphStep.build(cfg.training.cuda_graphs, self.step, self.device,
+                                              cfg.training.cuda_graphs_warmup, self.dims.mode, self.dims.is_main)
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
         self.hooks = TimedHooks(self.timer, self.faults)
-        self.cuda_graph = CudaGraphStep.build(cfg.training.cuda_graphs, self.step, self.device,
-                                              cfg.training.cuda_graphs_warmup, self.dims.mode, self.dims.is_main)
 
-        self.n_params = self.model_args.num_params()
-        self.flops_per_token = self.model_args.flops_per_token(cfg.training.seq_len)
-        self.device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu"
-        # CPU: only an explicit --metrics.peak_tflops gives MFU (the table holds GPUs)
-        self.peak = peak_tflops(self.device_name if self.device.type == "cuda" else "", cfg.metrics.peak_tflops)
-        if self.device.type == "cuda" and self.peak is None:
-            logger.warning(f"no bf16 peak known for '{self.device_name}': set --metrics.peak_tflops to see MFU")
-        facts = RunFacts(self.dims.world_size, self.dims.mode, self.grad_accum, self.global_batch, self.tokens_per_step,
-                         self.attention_backend, self.device, self.device_name, self.peak, self.n_params,
-                         self.model_args.num_params(exclude_embedding=True), self.flops_per_token,
-                         self.data.description)
-        self.report = Reporter(cfg, facts, self.dims.is_main, self.dims.rank, self.state.step, self.checkpointer.group,
-                               write_log=not self.finished)  # a finished job run again trains nothing, logs nothing
+        self.report = Reporter(cfg, self.run_facts(), self.dims.is_main, self.dims.rank, self.state.step,
+                               self.checkpointer.group, write_log=not self.finished)  # a finished job run again logs nothing
         self.run_log = self.report.run_log
         self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
+        self.pending: LogPoint | None = None  # a log step whose figures are read once the next step is queued
+        self.excluded_s = 0.0  # time in the log interval under way that is not training (`untimed`)
+
+    def run_facts(self) -> RunFacts:
+        """What the reporter's startup record and rates need: sizes, device and its bf16 peak."""
+        self.n_params = self.model_args.num_params()
+        self.flops_per_token = self.model_args.flops_per_token(self.cfg.training.seq_len)
+        cuda = self.device.type == "cuda"
+        self.device_name = torch.cuda.get_device_name(self.device) if cuda else platform.processor() or "cpu"
+        # CPU: only an explicit --metrics.peak_tflops gives MFU (the table holds GPUs)
+        self.peak = peak_tflops(self.device_name if cuda else "", self.cfg.metrics.peak_tflops)
+        if cuda and self.peak is None:
+            logger.warning(f"no bf16 peak known for '{self.device_name}': set --metrics.peak_tflops to see MFU")
+        return RunFacts(world_size=self.dims.world_size, mode=self.dims.mode, grad_accum=self.grad_accum,
+                        global_batch=self.global_batch, tokens_per_step=self.tokens_per_step,
+                        attention_backend=self.attention_backend, device=self.device, device_name=self.device_name,
+                        peak_tflops=self.peak, n_params=self.n_params,
+                        n_params_without_input_embedding=self.model_args.num_params(exclude_embedding=True),
+                        flops_per_token=self.flops_per_token, data_description=self.data.description)
 
     # ----------------------------------------------------------------------------------------- step
     def next_batch(self, _micro: int = 0):
@@ -201,37 +209,18 @@ class Trainer:
         return inputs.to(self.device, non_blocking=nb), labels.to(self.device, non_blocking=nb)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (mean loss, grad norm) on device.
-
-        With training.cuda_graphs (after warm-up) the step is one graph replay; if capture fails the
-        micro-batches it fetched run eagerly (`batches`), so no data is skipped.
-        """
-        graph, batches = self.cuda_graph, None
-        if graph is not None and graph.ready(self.state.step - self.start_step):  # warm-up restarts on resume
-            with self.timer.phase("data"):
-                batches = [self.next_batch() for _ in range(self.grad_accum)]
-                self.faults.data()
-            with self.timer.phase("comm"):
-                self.faults.comm()
-            with self.timer.phase("compute"):  # forward, backward and optimizer step in one replay
-                self.faults.compute()
-                out = graph.step(batches)
-            if out is not None:
-                self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
-                self.lr_scheduler.step()
-                return out
-        with graph.warmup_context() if graph is not None else contextlib.nullcontext():
-            out = self.step(batches.__getitem__ if batches else self.next_batch, self.hooks)
+        """One optimizer step, then the lr schedule's; returns (mean loss, grad norm) on device."""
+        out = (self.cuda_graph or self.step)(self.next_batch, self.hooks)
+        if out.skipped:
+            logger.warning(f"step {self.state.step + 1}: non-finite gradients, update skipped")
+        self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
+        # A skipped step still uses up its lr. When it is the process's first step, torch would
+        # warn of a misordered call; the filter is scoped to that case (entering catch_warnings
+        # resets which warnings were already shown, so it is not entered on every step).
+        with warnings.catch_warnings() if out.skipped else contextlib.nullcontext():
             if out.skipped:
-                logger.warning(f"step {self.state.step + 1}: non-finite gradients, update skipped")
-            self.step_lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used (read on log steps)
-            # A skipped step still uses up its lr. When it is the process's first step, torch would
-            # warn of a misordered call; the filter is scoped to that case (entering catch_warnings
-            # resets which warnings were already shown, so it is not entered on every step).
-            with warnings.catch_warnings() if out.skipped else contextlib.nullcontext():
-                if out.skipped:
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
-                self.lr_scheduler.step()
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.lr_scheduler.step()
         return out.loss, out.grad_norm
 
     def validate(self) -> float:
@@ -244,53 +233,40 @@ class Trainer:
         if self.finished:
             self.report.info(finished_line(st.step, cfg.training.steps, self.checkpointer.root))
             return {"steps": st.step}
-        self.report.info(f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params:,} params, "
-                         f"{self.flops_per_token / 1e9:.2f} GFLOP/token | attention {self.attention_backend} | "
-                         f"{self.dims.world_size} x {self.device_name} ({self.dims.mode}) | global batch "
-                         f"{self.global_batch} = {cfg.training.local_batch_size} x {self.dims.dp_size} x "
-                         f"{self.grad_accum} accum | data: {self.data.description}")
+        self.report.info(self.describe())
         self.report.info(f"run log: {self.run_log.path}" if self.run_log else "")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        interval_steps, val_loss = 0, None
+        val_loss = None
         self.interval_start, self.excluded_s = self.timer.mark(), 0.0  # the log interval under way
-        pending: LogPoint | None = None  # a log step whose figures are read once the next step is queued
         self.preemption.install()
         while st.step < cfg.training.steps:
-            self.excluded_s += self.profiler.step(st.step + 1)  # writing a trace is not training time
-            try:
+            with self.untimed():  # starting or writing a profiler trace
+                self.profiler.step(st.step + 1)
+            # lr, forward/backward over the micro-batches, clip, update (titanlite.step); the log
+            # step before it is read once this step is queued behind it
+            with self.logging_behind():
                 loss, grad_norm = self.train_step()
-            except BaseException:
-                if pending is not None:  # the log step before a failing step keeps its entry
-                    with contextlib.suppress(Exception):
-                        self.finish_log(pending)
-                raise
-            if pending is not None:
-                self.finish_log(pending)
-                pending = None
             st.step += 1
             st.tokens_seen += self.tokens_per_step
             st.losses.append(loss)
-            interval_steps += 1
             stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
             last = st.step == cfg.training.steps or stop
             validating = cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop
+            saving = self.checkpointer.should_save(st.step, last)
+            # log: queue this step's figures, read at once when validation or a save follows
             if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
-                pending, interval_steps = self.log_point(grad_norm, interval_steps), 0
-                if last or validating or self.checkpointer.should_save(st.step, last):
-                    self.finish_log(pending)  # needed now
-                    pending = None
-            if validating:
-                started = time.perf_counter()
-                val_loss = self.validate()
-                self.report.log_validation(st.step, val_loss)
-                self.excluded_s += time.perf_counter() - started  # validation time is not training time
-            self.report.advance(st.step)
-            saving = time.perf_counter()
-            if st.losses and cfg.training.on_nan == "stop" and self.checkpointer.should_save(st.step, last):
-                self.check_finite_losses()  # never write a checkpoint of NaN weights
-            self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
-            self.excluded_s += time.perf_counter() - saving  # time blocked by a save is logged by it, not here
+                self.queue_log(grad_norm, now=last or validating or saving)
+            # validate and save: time taken out of the step figures (a save logs its own)
+            with self.untimed():
+                if validating:
+                    val_loss = self.validate()
+                    self.report.log_validation(st.step, val_loss)
+                self.report.advance(st.step)
+                if st.losses and cfg.training.on_nan == "stop" and saving:
+                    self.check_finite_losses()  # never write a checkpoint of NaN weights
+                self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
+            # stop: a signal asked for it (the checkpoint is written)
             if stop:
                 self.report.info(f"{self.preemption.received}: stopped after step {st.step}; " + (
                     f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
@@ -301,11 +277,53 @@ class Trainer:
         self.profiler.close()
         return self.report.finish(st.step, val_loss)
 
-    def log_point(self, grad_norm: torch.Tensor, steps: int) -> LogPoint:
-        """Queue the figures of the log step just taken (the last `steps` steps) for the host; the
-        next log interval starts where this one ends."""
+    def describe(self) -> str:
+        cfg = self.cfg
+        return (f"model {cfg.model.name}/{cfg.model.flavor}: {self.n_params:,} params, "
+                f"{self.flops_per_token / 1e9:.2f} GFLOP/token | attention {self.attention_backend} | "
+                f"{self.dims.world_size} x {self.device_name} ({self.dims.mode}) | global batch "
+                f"{self.global_batch} = {cfg.training.local_batch_size} x {self.dims.dp_size} x "
+                f"{self.grad_accum} accum | data: {self.data.description}")
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Time spent inside is not training (validation, saves, traces): the log interval under way
+        leaves it out of its step figures."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_s += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def logging_behind(self):
+        """Around a step: the log step queued before it is logged once this step is queued (its
+        figures cost the GPU no wait); a failing step still leaves that log step its entry."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.flush_log()
+            raise
+        self.flush_log()
+
+    def queue_log(self, grad_norm: torch.Tensor, now: bool) -> None:
+        """Queue the figures of the log step just taken; with `now`, log them at once."""
+        self.pending = self.log_point(grad_norm)
+        if now:
+            self.flush_log()
+
+    def flush_log(self) -> None:
+        if self.pending is not None:
+            point, self.pending = self.pending, None
+            self.finish_log(point)
+
+    def log_point(self, grad_norm: torch.Tensor) -> LogPoint:
+        """The figures of the log step just taken (the steps since the previous one), queued for the
+        host; the next log interval starts where this one ends."""
         st = self.state
         values = torch.cat([global_step_losses(st.losses, self.dims.world_size), grad_norm.float().reshape(1)])
+        steps = len(st.losses)
         st.losses.clear()
         if values.is_cuda:
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
@@ -330,8 +348,8 @@ class Trainer:
         check_finite(step_losses, self.state.step, self.cfg.training.on_nan)
 
     def close(self):
-        """Release what the run holds. The process group is left to the caller (`main`), which
-        destroys it only once the Trainer and its DDP wrapper are gone."""
+        """Release what the run holds. The process group is left to `main`, which destroys it only
+        once the Trainer and its DDP wrapper are gone."""
         try:
             if self.cuda_graph is not None:
                 self.cuda_graph.release()  # before the process group goes (a captured collective hangs its teardown)
@@ -340,37 +358,51 @@ class Trainer:
             self.preemption.restore()
         self.report.close()
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run(cfg: JobConfig) -> BaseException | None:
+    """Train a run of `cfg`, the Trainer closed however it ends; returns the exit for `main` to raise
+    (None on success). The failure's frames hold the Trainer, so they are dropped here: once this
+    returns, the Trainer is gone."""
+    try:
+        with Trainer(cfg) as trainer:
+            trainer.train()
+    except BaseException as e:
+        failure = exit_for(e)
+        e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
+        return failure
+    return None
+
+
+def exit_for(e: BaseException) -> BaseException:
+    """What a failed run exits with: one line for a known failure, else the traceback printed once."""
+    if isinstance(e, NonFiniteLossError):
+        print(f"error: {e}", file=sys.stderr)
+        return SystemExit(3)
+    if isinstance(e, CheckpointSaveError):  # one line, from rank 0 (every rank sees the same failure)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return SystemExit(1)
+    if isinstance(e, (ConfigError, SystemExit)):
+        return e
+    traceback.print_exc()
+    return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
+
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     watch_launcher()  # under torchrun: stop when the launcher dies
-    cfg = load_config(argv)
-    trainer = Trainer(cfg)
-    failure = None  # raised once the Trainer is gone
-    try:
-        trainer.train()
-    except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
-        failure = SystemExit(3)
-    except CheckpointSaveError as e:  # one line, from rank 0 (every rank sees the same failure)
-        if trainer.dims.is_main:
-            print(f"error: {e}", file=sys.stderr)
-        failure = SystemExit(1)
-    except BaseException as e:
-        failure = e
-        if not isinstance(e, (ConfigError, SystemExit)):
-            traceback.print_exc()  # shown now: its frames hold the Trainer, so it is dropped below
-            failure = SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
-        e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
-    try:
-        trainer.close()
-    finally:
-        # The DDP wrapper goes before its process group: one that outlives it can hang its rank
-        # while the process exits (seen on gloo with 2 and 4 ranks).
-        del trainer
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    failure = run(load_config(argv))
+    # The DDP wrapper went before its process group: one that outlives it can hang its rank while
+    # the process exits (seen on gloo with 2 and 4 ranks).
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if failure is not None:
         raise failure
 

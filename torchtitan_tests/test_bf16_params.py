@@ -232,7 +232,7 @@ def test_bf16_params_by_mode_and_precision(extra, world, device, copies, autocas
     """training.bf16_params is on by default and refused nowhere: where the run computes in bf16, one
     device, ddp and zero1 keep bf16 copies of the matrices (with autocast for the rest); fsdp/hsdp
     get bf16 from FSDP's policy, without autocast."""
-    from titanlite.config.manager import autocasts, bf16_copies
+    from titanlite.parallel.policy import autocasts, bf16_copies
 
     cfg = load_config(extra)
     check_combination(cfg, world)
@@ -289,7 +289,7 @@ def test_initial_load_gives_the_copies_the_loaded_weights(tmp_path, monkeypatch)
 def test_captured_iteration_updates_as_the_eager_step(tmp_path):
     """What training.cuda_graphs captures (CudaGraphStep.step_fn) must update like the eager step:
     with MasterAdamW the clip goes into the optimizer (an fp32 norm), not a bf16 rescale of the grads."""
-    from titanlite.parallel.cuda_graphs import CudaGraphStep
+    from titanlite.step import CudaGraphStep
     from titanlite.train import Trainer
 
     argv = ["--training.mixed_precision_param", "bfloat16", "--training.dataset", "synthetic",

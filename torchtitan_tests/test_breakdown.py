@@ -31,13 +31,11 @@ def test_data_delay_on_rank1_shows_up_and_names_it_slowest(tmp_cache):
     for e in steady:
         b = e["breakdown"]
         assert b["method"] == "wall_clock" and [x["rank"] for x in b["ranks"]] == [0, 1]
-        for x in b["ranks"]:
-            parts = x["data_ms"] + x["compute_ms"] + x["comm_ms"] + x["optimizer_ms"] + x["idle_ms"]
-            assert parts == pytest.approx(x["step_ms"], rel=1e-9)
         assert b["stats"]["data_ms"]["max"] == b["ranks"][1]["data_ms"]
     rank = lambda k, f: [e["breakdown"]["ranks"][k][f] for e in steady]
     extra_data = statistics.median(d1 - d0 for d0, d1 in zip(rank(0, "data_ms"), rank(1, "data_ms")))
     assert 45 <= extra_data <= 75
+    assert max(rank(1, "idle_ms")) < 25  # the sleep is measured as data wait, not left as unaccounted time
     # rank 0 arrives early at every collective and waits there: that wait is comm, not compute
     assert statistics.mean(rank(0, "comm_ms")) - statistics.mean(rank(1, "comm_ms")) > 20
     slowest = [e["breakdown"]["slowest_rank"] for e in steady]

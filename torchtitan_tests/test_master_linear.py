@@ -96,9 +96,9 @@ def test_selective_checkpointing_saves_the_bf16_gemm():
     recomputed backward gives the same gradients."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    from titanlite.parallel.apply import _save_matmuls_policy
+    from titanlite.parallel.apply import save_matmuls_policy
 
-    policy, saved = _save_matmuls_policy(), []
+    policy, saved = save_matmuls_policy(), []
 
     def recording(ctx, op, *args, **kwargs):
         decision = policy(ctx, op, *args, **kwargs)
@@ -185,7 +185,7 @@ ACCUM = ["--training.global_batch_size", "8"]
 
 def first_step_grads(t) -> dict[str, torch.Tensor]:
     """The gradients of the first optimizer step's micro-batches, reduced as the step reduces them."""
-    from titanlite.parallel import grad_sync
+    from titanlite.parallel.data_parallel import grad_sync
 
     for micro in range(t.grad_accum):
         with grad_sync(t.model, micro == t.grad_accum - 1):
@@ -349,7 +349,7 @@ def test_float8_matrices_keep_their_own_form(mode):
     cfg = load_config([*BF16, "--float8.enable", "--float8.emulate"])
     with torch.device("meta"):
         model = build_model(get_model_args("llama", "debug"), "sdpa", 32)
-    apply_float8(model, cfg.float8, SimpleNamespace(world_size=1, mode="none", device=torch.device("cpu")))
+    apply_float8(model, cfg.float8, torch.device("cpu"))
     materialize(model, torch.device("cpu"), 0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_bf16_params(model, mode)

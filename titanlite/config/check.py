@@ -14,15 +14,7 @@ import subprocess
 import sys
 
 from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
-
-FLOAT8_CAPABILITY = (8, 9)  # hardware float8 matmuls: Ada, Hopper, Blackwell
-
-
-def float8_refusal(where: str) -> str:
-    """The one line refusing float8.enable on `where` (the device or machine that lacks it)."""
-    return (f"float8.enable needs a GPU with compute capability >= {FLOAT8_CAPABILITY[0]}.{FLOAT8_CAPABILITY[1]} "
-            f"(H100-class), not {where}; set float8.emulate=true to emulate it (tests only, slow)")
-
+from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
 
 def gpu_capabilities() -> list[tuple[int, int]] | None:
     """Compute capabilities of this node's NVIDIA GPUs: [] on a machine without nvidia-smi or without

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.job_config import JobConfig
+from titanlite.errors import ConfigError
+from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import hsdp_shape, run_mode
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,10 +35,6 @@ else:  # pragma: no cover
 REPO = Path(__file__).resolve().parents[2]  # the checkout holding titanlite/ and train_configs/
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-class ConfigError(ValueError):
-    """Bad configuration input. The message is one line and names the key or file."""
 
 
 def _sections() -> dict[str, type]:
@@ -252,60 +251,11 @@ def resolve_batch(cfg: JobConfig, dp_size: int) -> int:
     return gb // (lb * dp_size)
 
 
-def data_parallel_mode(cfg: JobConfig, world: int) -> str:
-    """The data-parallel mode a run of `world` ranks uses: the configured one, or "none" for one rank."""
-    return cfg.parallelism.data_parallel if world > 1 else "none"
-
-
-def run_mode(cfg: JobConfig, world: int):
-    """The titanlite.parallel.modes.Mode record a run of `world` ranks uses."""
-    from titanlite.parallel.modes import MODES  # pure data, no torch
-
-    return MODES[data_parallel_mode(cfg, world)]
-
-
-def computes_bf16(cfg: JobConfig, device_type: str) -> bool:
-    """Does a run on `device_type` compute in bf16? training.mixed_precision_param: auto on CUDA only,
-    bfloat16 on any device."""
-    precision = cfg.training.mixed_precision_param
-    return precision == "bfloat16" or (precision == "auto" and device_type == "cuda")
-
-
-def autocasts(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
-    """Does the forward run under bf16 autocast? Where the run computes in bf16, unless the mode
-    shards parameters (FSDP's policy then gives bf16 parameters). With training.bf16_params the
-    blocks' matrices multiply their own bf16 copies and everything else is left to autocast."""
-    return computes_bf16(cfg, device_type) and not run_mode(cfg, world).shards_params
-
-
-def bf16_copies(cfg: JobConfig, world: int, device_type: str = "cuda") -> bool:
-    """Do the blocks' matrices keep bf16 copies of fp32 masters (training.bf16_params)? Where the run
-    computes in bf16 and its mode realises the setting with copies (the Mode record's bf16_params)."""
-    return (cfg.training.bf16_params and computes_bf16(cfg, device_type)
-            and run_mode(cfg, world).bf16_params == "copies")
-
-
 def check_world_size(cfg: JobConfig, world: int) -> None:
     """Several ranks need a data-parallel mode: without one they would train unsynchronised copies."""
     if world > 1 and cfg.parallelism.data_parallel == "none":
         raise ConfigError(f"parallelism.data_parallel=none with {world} ranks would train unsynchronised copies; "
                           f"choose ddp, zero1, fsdp or hsdp (or run one process)")
-
-
-def hsdp_shape(cfg, world: int) -> tuple[int, int]:
-    """(replicate, shard) degrees of the hsdp mesh; their product must be the world size."""
-    p = cfg.parallelism
-    rep, shard = p.replicate_degree, p.shard_degree
-    if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
-        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if rep == -1:
-        rep = max(1, world // shard)
-    if shard == -1:
-        shard = max(1, world // rep)
-    if rep * shard != world:
-        raise ConfigError(f"parallelism.replicate_degree ({rep}) x parallelism.shard_degree ({shard}) "
-                          f"must equal the world size ({world})")
-    return rep, shard
 
 
 def refuse(cfg: JobConfig, world: int, setting: str) -> None:
@@ -340,10 +290,8 @@ def check_moments_dtype(cfg: JobConfig, world: int) -> None:
 def check_combination(cfg: JobConfig, world: int) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
-    from titanlite.parallel.modes import MODES
-
     check_world_size(cfg, world)
-    if data_parallel_mode(cfg, world) == "hsdp":
+    if run_mode(cfg, world).name == "hsdp":
         hsdp_shape(cfg, world)
     if cfg.training.cuda_graphs:
         check_cuda_graphs(cfg, world)

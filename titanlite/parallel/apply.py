@@ -1,9 +1,6 @@
-"""parallelize(model, cfg, dims): apply the configured techniques in one documented order.
+"""parallelize(model, cfg, dims): apply the configured techniques in the order its docstring writes.
 
-    float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
-    -> bf16 copies of the blocks' matrices (training.bf16_params) -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
-
-The first three rewrite modules and run on the meta-device model. Weights are then materialised
+The techniques before materialisation rewrite modules and run on the meta-device model. Weights are then materialised
 and initialised in full, identically on every rank (same seed, same device type, same op order as a
 single process), and only then sharded or replicated. Initialising sharded DTensors directly would
 draw different random numbers per layout (DTensor's RNG offsets and CPU/GPU differences), so the
@@ -13,17 +10,21 @@ device at start-up (5 GB for 1.36B, 32 GB for 8B), freed as FSDP shards it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 
 import torch
 import torch.nn as nn
 
-from titanlite.config import ConfigError
-from titanlite.config.check import FLOAT8_CAPABILITY, float8_refusal
-from titanlite.config.manager import bf16_copies
+from titanlite.errors import ConfigError
+from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
 from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
 from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import bf16_copies
+
+logger = logging.getLogger("titanlite")
 
 
 # ------------------------------------------------------------------------------------------ float8
@@ -32,7 +33,7 @@ def float8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_CAPABILITY
 
 
-def _float8_eligible(module: nn.Module, fqn: str) -> bool:
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
     # The output projection stays in high precision (logit quality); float8 matmul kernels need
     # both dims to be multiples of 16.
     if fqn.split(".")[-1] == "output" or not isinstance(module, nn.Linear):
@@ -40,15 +41,14 @@ def _float8_eligible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, f8, dims) -> None:
+def apply_float8(model: nn.Module, f8, device: torch.device, sharded: bool = False) -> None:
     """Swap eligible nn.Linear for torchao Float8Linear (dynamic scaling, tensorwise or rowwise), as
-    the float8 config section `f8` says."""
-    if not f8.emulate and not float8_supported(dims.device):
-        where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
+    the float8 config section `f8` says; `sharded`: the parameters will be FSDP shards."""
+    if not f8.emulate and not float8_supported(device):
+        where = "CPU" if device.type != "cuda" else torch.cuda.get_device_name(device)
         raise ConfigError(float8_refusal(where))
     from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
-    sharded = MODES[dims.mode].shards_params
     if f8.recipe == "tensorwise":
         # Under FSDP the weights are all-gathered already cast to float8: half the bytes of bf16.
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=f8.emulate)
@@ -57,21 +57,22 @@ def apply_float8(model: nn.Module, f8, dims) -> None:
     if f8.backward_fast_accum:
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    convert_to_float8_training(model, config=config, module_filter_fn=_float8_eligible)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_eligible)
 
 
-def float8_post_step(model: nn.Module, f8) -> None:
-    """After optimizer.step under FSDP with float8 all-gather (`f8`: the float8 config section):
-    compute every weight's scale in one fused all-reduce, instead of one small reduction per weight
-    inside the next forward."""
-    if f8.enable and f8.recipe == "tensorwise" and is_fsdp(model):
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+def float8_scale_hook(model: nn.Module, f8):
+    """Under FSDP with float8 all-gather (`f8`: the float8 config section), an optimizer post-step
+    hook that computes every weight's scale in one fused all-reduce, instead of one small reduction
+    per weight inside the next forward; None where there is nothing to do."""
+    if not (f8.enable and f8.recipe == "tensorwise" and is_fsdp(model)):
+        return None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        precompute_float8_dynamic_scale_for_fsdp(model)
+    return lambda optimizer, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 # ------------------------------------------------------------------------- activation checkpointing
-def _save_matmuls_policy():
+def save_matmuls_policy():
     """Op-level policy: keep matmul and attention outputs (expensive), recompute the rest (cheap
     element-wise ops and norms)."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -121,7 +122,7 @@ def apply_ac(model: nn.Module, ac) -> None:
     every, policy = 1, _recompute_all_policy
     if ac.mode == "selective":
         if ac.selective_option == "op":
-            policy = _save_matmuls_policy()
+            policy = save_matmuls_policy()
         elif ac.selective_option.isdigit() and int(ac.selective_option) >= 1:
             every = int(ac.selective_option)
         else:
@@ -194,21 +195,54 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
-    """Take the meta-device model spec; return the materialised, initialised, wrapped model. The
-    combination of settings was checked when the config was loaded (config.manager.load_config).
+    """Take the meta-device model spec; return the materialised, initialised, wrapped model, with
+    the techniques `cfg` turns on applied in this order (the one place it is written):
+
+        float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
+        -> bf16 copies of the blocks' matrices -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
+
+    Each constraint on the order is stated at its call. What is built on the model this returns
+    follows it: the optimizer (titanlite.optim.build_optimizer: zero1's sharded AdamW state, a
+    capturable AdamW for CUDA graphs), then the step (titanlite.step.build_train_step: bf16 autocast,
+    the fused clip, float8's post-step hook; CudaGraphStep captures it). A new technique is one
+    `apply_*` function and one call here. The combination of settings was checked when the config
+    was loaded (titanlite.config.manager.check_combination).
 
     `wrap(model, cfg, dims)` replaces the mode's data-parallel wrapper: estimation's fake run wraps
     fake tensors on a fake process group, which needs a prebuilt mesh and its own DDP comm hook."""
+    mode = MODES[dims.mode]
+    def applied(technique: str) -> None:  # each technique logged as it is applied, on the main rank
+        if dims.rank == 0:
+            logger.info(f"parallelize: {technique}")
+
     if cfg.float8.enable:
-        apply_float8(model, cfg.float8, dims)
+        # First: it swaps nn.Linear for Float8Linear, and what comes after must wrap the swapped modules.
+        apply_float8(model, cfg.float8, dims.device, sharded=mode.shards_params)
+        applied(f"float8 ({cfg.float8.recipe})")
     if cfg.activation_checkpoint.mode != "none":
+        # Before compile: compile then traces the checkpointed blocks, with their recompute policy.
         apply_ac(model, cfg.activation_checkpoint)
+        applied(f"activation checkpointing ({cfg.activation_checkpoint.mode})")
     if cfg.compile.enable:
+        # After the module rewrites above (they are what gets traced), before the data-parallel
+        # wrappers, whose hooks stay outside the compiled regions.
         apply_compile(model, cfg.compile)
+        applied("compile per TransformerBlock")
+    # Still on meta up to here. The full weights, identically on every rank, before any sharding
+    # (the module's docstring says why).
     materialize(model, dims.device, cfg.training.seed)
     if bf16_copies(cfg, dims.world_size, dims.device.type):
-        # before ddp, whose buckets take the gradients' dtype
+        # After materialise (copies of the initialised weights), before ddp, whose buckets take the
+        # gradients' dtype.
         apply_bf16_params(model, dims.mode, head=cfg.training.loss == "cross_entropy")
+        applied("bf16 copies of the blocks' matrices")
     if dims.world_size > 1 and dims.mode != "none":
-        model = (wrap or DATA_PARALLEL[dims.mode])(model, cfg, dims)
+        # Last: a wrapper takes the finished modules (FSDP shards what the steps above made). For CUDA
+        # graphs on CUDA it is built on a side stream: a captured backward needs DDP made there
+        # (torch's CUDA-graph notes).
+        graphs = cfg.training.cuda_graphs and dims.device.type == "cuda"
+        with torch.cuda.stream(torch.cuda.Stream(dims.device)) if graphs else contextlib.nullcontext():
+            model = (wrap or DATA_PARALLEL[dims.mode])(model, cfg, dims)
+        applied(f"{dims.mode} over {dims.world_size} ranks")
     return model
+

@@ -16,7 +16,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from titanlite.config.manager import ConfigError, computes_bf16, hsdp_shape
+from titanlite.errors import ConfigError
+from titanlite.parallel.policy import computes_bf16, hsdp_shape
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -31,14 +32,8 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     # warns on the old one, which torch 2.11 still needs.
     no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    wrap = lambda: DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
-                                           gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
-    if cfg.training.cuda_graphs and dims.device.type == "cuda":
-        # A backward captured in a CUDA graph needs DDP built on a side stream (torch's CUDA-graph notes).
-        with torch.cuda.stream(torch.cuda.Stream(dims.device)):
-            ddp = wrap()
-    else:
-        ddp = wrap()
+    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
+                                  gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
     if cfg.parallelism.ddp_reduce_dtype == "bfloat16":
         ddp.register_comm_hook(None, bf16_allreduce_hook)
     return ddp
@@ -216,15 +211,15 @@ def grad_sync(model: nn.Module, enabled: bool):
 
 
 def fused_clip_supported(optimizer) -> bool:
-    """Can the clip scale ride inside the optimizer kernel? Fused torch AdamW over plain tensors (not
-    ZeroRedundancyOptimizer, not FSDP's DTensor parameters, not capturable for CUDA graphs), or
-    titanlite's MasterAdamW (training.bf16_params), alone or as zero1's per-rank optimizer (the
-    wrapper hands it the scale: titanlite.optim.zero_master_adamw)."""
+    """Can the clip scale ride inside the optimizer kernel? The interface: before `step()` the
+    optimizer finds `grad_scale` (divide every gradient by it) and `found_inf` (skip the update where
+    it is nonzero) set on it, as torch's fused AdamW reads them. Optimizers that declare
+    `takes_grad_scale` (titanlite.optim's MasterAdamW, alone or as zero1's per-rank optimizer) always
+    can; torch's AdamW only fused, over plain tensors (not FSDP's DTensor parameters) and not
+    capturable for CUDA graphs."""
     from torch.distributed.tensor import DTensor
 
-    from titanlite.optim import MasterAdamW
-
-    if type(getattr(optimizer, "optim", optimizer)) is MasterAdamW:
+    if getattr(optimizer, "takes_grad_scale", False):
         return True
     if type(optimizer) is not torch.optim.AdamW or not optimizer.defaults.get("fused"):
         return False

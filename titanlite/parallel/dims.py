@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.config.manager import data_parallel_mode
+from titanlite.parallel.policy import data_parallel_mode
 
 
 @dataclass
