@@ -3,7 +3,7 @@ batch, a kernel profile.
 
     python benchmarks/estimation_gpu.py                  # 1 GPU: every one-GPU case, OOM search, profile,
                                                          # and the recommendation's top pick
-    python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: ddp at local batch 24 (B200 config), fsdp at 8
+    python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: each mode at local 4 and 16, Qwen3 fsdp (--gpus 4: on 4)
     python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
     python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
                                                          # full x LLaMA 1.36B and Qwen3 1.8B, two batches each
@@ -65,9 +65,11 @@ CASES = {
     "fsdp2_b8": (2, H100_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
     # each mode at two batches, and Qwen3: the compute slowed beside the collectives (calibrated on the
     # local-4 llama cases of ddp and fsdp, 2026-11-26; the others are held out)
-    **{f"{mode}{'_' if mode[-1].isdigit() else ''}2_b{b}": (2, H100_CFG, ["--training.local_batch_size", str(b), "--parallelism.data_parallel", mode])
-       for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
-    "qwen3_fsdp2_b8": (2, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"]),
+    **{f"{mode}{'_' if mode[-1].isdigit() else ''}{n}_b{b}": (n, H100_CFG, ["--training.local_batch_size", str(b),
+                                                                          "--parallelism.data_parallel", mode])
+       for n in (2, 4) for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
+    **{f"qwen3_fsdp{n}_b8": (n, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"])
+       for n in (2, 4)},
 }
 
 # Activation checkpointing across both model families (LLaMA: MHA; Qwen3: GQA and QK-norm), compiled, one
@@ -307,7 +309,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = launch.Parser(__doc__)
-    ap.add_argument("--gpus", type=int, default=1, help="1: the one-GPU cases; 2: the two-GPU cases")
+    ap.add_argument("--gpus", type=int, default=1, help="1: the one-GPU cases; 2 or 4: the cases of that many GPUs")
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--ac-sweep", action="store_true",
                     help="the activation-checkpointing sweep (AC_SWEEP) on 1 GPU instead of the default cases")
