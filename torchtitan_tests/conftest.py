@@ -1,3 +1,5 @@
+import contextlib
+import json
 import os
 import socket
 import sys
@@ -20,3 +22,23 @@ def tmp_cache(tmp_path, monkeypatch):
     """Keep the python_stdlib cache shared across tests (it is deterministic) but outputs per test."""
     monkeypatch.setenv("TITANLITE_CACHE", os.environ.get("TITANLITE_CACHE", str(Path.home() / ".cache" / "titanlite")))
     return tmp_path
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, out_dir: str):
+    """One rank of a CPU process group as torchrun would set it up, one thread each (the ranks share this
+    machine's cores). Yields a dict of results, which rank 0 writes to out_dir/results.json at the end."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    yield results
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+

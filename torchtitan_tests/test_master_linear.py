@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.utils._python_dispatch
@@ -26,7 +25,7 @@ from titanlite.ops.master_linear import MasterLinear, use_bf16_copy
 from titanlite.optim import MasterAdamW
 from titanlite.train import Trainer
 
-from conftest import free_port
+from conftest import free_port, gloo_rank
 from test_checkpoint import args as ckpt_args, losses
 from test_parallel import base_args, step_losses
 
@@ -194,11 +193,11 @@ def first_step_grads(t) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
+    with gloo_rank(rank, world, port, out_dir) as results:
+        _runs(rank, out_dir, results)
+
+
+def _runs(rank: int, out_dir: str, results: dict) -> None:
     for name, (local, extra) in DIST_RUNS.items():
         t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra, *ACCUM)))
         if name == "ddp":  # from a twin run: these micro-batches are then gone from its data stream
@@ -215,10 +214,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                              "local": type(getattr(t.optimizer, "optim", t.optimizer)).__name__,
                              "accum": t.grad_accum, "stale": stale}
         t.close()
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
 
 
 def test_ddp_and_zero1_match_one_process(tmp_path):

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from titanlite.config import ConfigError, load_config
 from titanlite.train import Trainer
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, gloo_rank
 
 STEPS = 8
 
@@ -61,11 +61,11 @@ LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params"}  # bf16 gradients or bf16 compute
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
-    torch.set_num_threads(1)  # 2 processes on a shared 2-core machine
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
+    with gloo_rank(rank, world, port, out_dir) as results:
+        _runs(rank, out_dir, runs, results)
+
+
+def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
     for name, (local, extra) in runs.items():
         t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra)))
         t.train()
@@ -81,10 +81,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
                              "state_held": sum(local(st["exp_avg"]) for st in own_optimizer.state.values()) / full,
                              "bf16_copies": any(hasattr(p, "bf16_copy") for p in params),
                              "mesh": list(params[0].device_mesh.shape) if hasattr(params[0], "device_mesh") else None}
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as fh:
-            json.dump(results, fh)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

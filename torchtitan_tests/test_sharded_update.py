@@ -6,13 +6,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titanlite.config import load_config
 from titanlite.train import Trainer
 
-from conftest import free_port
+from conftest import free_port, gloo_rank
 from test_parallel import base_args, step_losses
 
 pytestmark = pytest.mark.slow
@@ -21,11 +20,11 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.keep_
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)  # 2 processes on a shared 2-core machine
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out = {}
+    with gloo_rank(rank, world, port, out_dir) as out:
+        _runs(rank, out_dir, out)
+
+
+def _runs(rank: int, out_dir: str, out: dict) -> None:
     for name, mode in (("fsdp", ["--parallelism.data_parallel", "fsdp"]),
                        ("hsdp", ["--parallelism.data_parallel", "hsdp", "--parallelism.shard_degree", "2"])):
         folder = os.path.join(out_dir, name)
@@ -39,10 +38,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                          "resumed": step_losses(resumed)}
         t.close()
         resumed.close()
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as fh:
-            json.dump(out, fh)
-    dist.destroy_process_group()
 
 
 def test_sharded_modes_step_their_shards_with_master_adamw(tmp_path):

@@ -85,7 +85,7 @@ def _fsdp(model: nn.Module, cfg, dims, mesh, device_memory: int | None = None) -
                               reduce_dtype=getattr(torch, p.fsdp_reduce_dtype))
     gathered = sum(q.numel() for q in model.layers.parameters()) * (2 if bf16 else 4)
     block_reshard = blocks_reshard(p.fsdp_reshard_after_forward, gathered, device_memory)
-    if p.fsdp_reshard_after_forward == "auto" and dims.rank == 0:
+    if p.fsdp_reshard_after_forward == "auto" and dims.is_main:
         logging.getLogger("titanlite").info(
             f"parallelism.fsdp_reshard_after_forward=auto: the blocks {'free' if block_reshard else 'keep'} their "
             f"gathered parameters after forward ({gathered / 2**30:.2f} GiB gathered"
@@ -129,9 +129,9 @@ def _zero_cta_group(mesh, dim: str):
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL's per-communicator CTA policy, which "
                           f"torch {torch.__version__} does not expose")
     opts.config.cta_policy = zero
-    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(dim), -1).reshape(-1, mesh.size(mesh.mesh_dim_names.index(dim)))
+    i = mesh.mesh_dim_names.index(dim)
     mine = None
-    for row in ranks.tolist():
+    for row in mesh.mesh.movedim(i, -1).reshape(-1, mesh.size(i)).tolist():  # the groups along `dim`
         group = dist.new_group(ranks=row, backend="nccl", pg_options=opts)
         if dist.get_rank() in row:
             mine = group
