@@ -237,15 +237,15 @@ class _NoBucketRebuild:
 
 def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
     """MasterAdamW's update as the GPU runs it: one kernel reading g, p, lo, m, v and writing p, lo, m, v
-    and the bf16 copy (lo None: p is its own master; the copy, the last argument, may be None) (its
-    eager reference, run here for the values, would be counted op by op: about 4x the bytes)."""
+    and the bf16 copy (lo None: p is its own master; the copy, the last argument, may be None), with
+    nothing allocated. Its eager reference, run here for the values, would be counted op by op: about
+    4x the bytes, and its fp32 intermediates, several times the parameter at once (for a large
+    embedding or output head, GiB that could set the step's peak)."""
     from titanlite.optim import _master_adamw_update
 
-    counting, tracker.count_work = tracker.count_work, False
-    try:
+    counting = tracker.count_work
+    with tracker.stand_in_kernel():
         _master_adamw_update(p, g, lo, m, v, *args)
-    finally:
-        tracker.count_work = counting
     if counting:
         work = tracker.work[tracker.phase]
         copy = args[-1]

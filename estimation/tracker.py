@@ -113,6 +113,7 @@ class StepTracker(TorchDispatchMode):
         self.phase = "setup"
         self.work: dict[str, PhaseWork] = defaultdict(PhaseWork)
         self.count_work = True
+        self._in_kernel = False  # inside stand_in_kernel: new storages are a kernel's registers, not memory
         self._orig_resize = None
         self._orig_meta_prop = None
         self._meta_prop_depth = 0  # > 0: inside DTensor's sharding propagation, not part of the step
@@ -256,6 +257,20 @@ class StepTracker(TorchDispatchMode):
             w.fused_bytes += cost.kernel_bytes
             w.ops += cost.kernels
 
+    @contextlib.contextmanager
+    def stand_in_kernel(self):
+        """The ops run inside stand for one GPU kernel that only writes into tensors that already exist
+        (MasterAdamW's fused update, run here as its eager reference): the reference's intermediates
+        (fp32 copies of the gradient, the new moments, the new weight: several times the parameter)
+        are never allocated on the GPU, so they take no memory, and their work is the caller's to
+        count as the kernel's."""
+        saved = self.count_work, self._in_kernel
+        self.count_work, self._in_kernel = False, True
+        try:
+            yield
+        finally:
+            self.count_work, self._in_kernel = saved
+
     # ------------------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -271,7 +286,7 @@ class StepTracker(TorchDispatchMode):
         else:
             counted, extern = self._node or (True, True)
             flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            if counted:
+            if counted and not self._in_kernel:
                 for t in flat_out:
                     for st in storages(t):
                         self._add(st, self.category)
