@@ -64,7 +64,7 @@ KEEP_GATHERED_SHARE = 1 / 16
 def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None) -> bool:
     """Do the blocks free their gathered parameters after forward (parallelism.fsdp_reshard_after_forward)?
     Freeing saves `gathered_bytes` (less this rank's shard) until backward, which then gathers every block
-    a second time: on 2 x H200 keeping them made LLaMA 1.36B 2-3% faster for 2.1 GiB more
+    a second time: on 2 x H200 keeping them made LLaMA 1.36B 1.7-3.5% faster for 2.1 GiB more
     (docs/performance.md). `auto` keeps them where they are small beside the GPU's memory
     (`device_memory`, None off CUDA: freed, as `default`)."""
     if setting == "auto":
