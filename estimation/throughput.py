@@ -107,9 +107,8 @@ def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
     comms = [(name, moved / (a.link_gbps * 1e9 * a.link_efficiency)) for name, moved, n in w.collectives if n > 1]
     t["comm"] = sum(c for _, c in comms)
     t["comm_edges"] = (comms[0][1] if comms else 0.0, comms[-1][1] if comms else 0.0)
-    # what hiding this phase's collectives costs the compute beside them, per second of collective
-    t["comm_slowdown"] = (sum(a.beside_collectives.get(COLLECTIVE_KIND.get(name, ""), 0.0) * c for name, c in comms)
-                          / t["comm"] if t["comm"] else 0.0)
+    # what hiding all of this phase's collectives would add to the compute beside them
+    t["comm_beside"] = sum(a.beside_collectives.get(COLLECTIVE_KIND.get(name, ""), 0.0) * c for name, c in comms)
     return t
 
 
@@ -138,7 +137,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     """Predicted step time (with and without overlap), tokens/s, MFU and the dominant term."""
     terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
-    edges = slowdown = 0.0  # slowdown: extra compute per second of hidden collective, comm-weighted
+    edges = beside_all = 0.0  # beside_all: the compute added were every collective hidden
     host = 0.0  # the host's time for the step: kernel launches and per-parameter loops
     for phase, w in work.items():
         n = _weights(accum).get(phase, 0)
@@ -155,13 +154,13 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         else:
             compute_fb += n * compute
             comm_fb += n * t["comm"]
-            slowdown += n * t["comm"] * t["comm_slowdown"]
+            beside_all += n * t["comm_beside"]
             first, last = t["comm_edges"]
             edges += first if phase.startswith("fwd") else 0.0
             edges += last if phase == "bwd_last" else 0.0
     no_overlap = max(compute_fb + comm_fb + compute_opt + comm_opt, host)
     hidden_comm = max(0.0, comm_fb - edges)
-    beside = hidden_comm * slowdown / comm_fb if comm_fb else 0.0  # compute slowed by the hidden collectives
+    beside = beside_all * hidden_comm / comm_fb if comm_fb else 0.0  # only the hidden share slows the compute
     gpu = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
     overlap = max(gpu, host)
     terms["comm_exposed"] = max(0.0, gpu - compute_fb - beside - compute_opt)

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from titanlite.parallel.data_parallel import local_tensor
 from titanlite.parallel.modes import MODES
 
 
@@ -30,11 +31,11 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     graphs = cfg.training.cuda_graphs and device.type == "cuda"
     lr = torch.tensor(o.lr, device=device) if graphs else o.lr
     zero = MODES[dp_mode].optimizer == "zero"
-    # Sharded modes step their local shards with MasterAdamW's fused kernel too (on CUDA): one launch over
-    # every shard, and the clip's scale rides inside it (torch's fused AdamW over DTensors clips in a
-    # pass of its own)
+    # Sharded modes step their local shards with MasterAdamW's fused kernel too (fused: CUDA's default): one
+    # launch over every shard, the clip's scale inside it (torch's fused AdamW over DTensors clips in a pass
+    # of its own)
     sharded_fused = MODES[dp_mode].shards_params and fused
-    if o.moments_dtype == "bfloat16" or sharded_fused or any(has_master(p) for p in params):  # capturable, given the lr on device
+    if o.moments_dtype == "bfloat16" or sharded_fused or any(has_master(p) for p in params):  # capturable
         kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
                   moments_dtype=getattr(torch, o.moments_dtype))
         return zero_master_adamw(groups, **kw) if zero else MasterAdamW(groups, **kw)
@@ -46,11 +47,6 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(groups, **kw)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP's parameters, gradients and optimizer state), else `t`."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def has_master(p: torch.Tensor) -> bool:
@@ -194,7 +190,7 @@ class MasterAdamW(torch.optim.Optimizer):
         for i, p in work:
             # FSDP's parameters, gradients and moments are DTensors: each rank updates its local shards
             # (an uneven split can leave a rank an empty one)
-            if local(p).numel():
+            if local_tensor(p).numel():
                 launches.setdefault((i, self._kind(p)), []).append(p)
         device = work[0][1].device
         scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
@@ -220,10 +216,10 @@ class MasterAdamW(torch.optim.Optimizer):
                 lr_on_device[lr] = torch.tensor(lr, dtype=torch.float32).to(device, non_blocking=True)
             args = (lr_on_device[lr], group["weight_decay"], beta1, beta2, eps, bias1, bias2_sqrt, scale, keep)
             st = [self.state[p] for p in ps]
-            los = [local(s["master_lo"]) for s in st] if kind == "lo" else None
+            los = [local_tensor(s["master_lo"]) for s in st] if kind == "lo" else None
             copies = [p.bf16_copy for p in ps] if kind == "copy" else None
-            ws, gs = [local(p) for p in ps], [local(p.grad) for p in ps]
-            ms, vs = [local(s["exp_avg"]) for s in st], [local(s["exp_avg_sq"]) for s in st]
+            ws, gs = [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps]
+            ms, vs = [local_tensor(s["exp_avg"]) for s in st], [local_tensor(s["exp_avg_sq"]) for s in st]
             if many is not None and many(ws, gs, los, ms, vs, *args, copies=copies,
                                          cache=self._launch_cache.setdefault((i, kind), {})):
                 continue

@@ -210,6 +210,11 @@ def grad_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's parameters, gradients and optimizer state), else `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def fused_clip_supported(optimizer) -> bool:
     """Can the clip scale ride inside the optimizer kernel? The interface: before `step()` the
     optimizer finds `grad_scale` (divide every gradient by it) and `found_inf` (skip the update where
@@ -244,7 +249,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer=None, skip_nonfi
         by_dtype = {}  # bf16 and fp32 with float8 under training.bf16_params
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g.to_local() if isinstance(g, DTensor) else g)
+            by_dtype.setdefault(g.dtype, []).append(local_tensor(g))
         # one list per dtype: torch's multi-tensor kernel takes lists of one dtype, and a mixed list
         # falls back to one reduction per tensor; fp32 sums either way
         norms = [n for local in by_dtype.values() for n in torch._foreach_norm(local, 2, dtype=torch.float32)]
