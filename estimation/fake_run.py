@@ -29,7 +29,7 @@ from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import BACKENDS, SDPA, Manual
 from titanlite.optim import build_optimizer
 from titanlite.parallel.apply import parallelize
-from titanlite.parallel.data_parallel import _fsdp, apply_ddp
+from titanlite.parallel.data_parallel import _fsdp, ddp_wrapper
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import computes_bf16, data_parallel_mode, hsdp_shape
@@ -167,10 +167,9 @@ def _allreduce_hook(state, bucket):
     the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
     is labelled a communication buffer here.
 
-    In the bucket's own dtype (fp32) the real run has no hook: DDP's reducer divides each gradient by
-    the ranks while copying it into its bucket (one mul_out, which the tracker counts as it counts the
-    copy_ the reducer runs here instead) and NCCL sums the bucket in place, so nothing more runs here.
-    In bf16 it runs what titanlite's bf16 hook runs: a bf16 copy, the divide, and the copy back."""
+    In the bucket's own dtype (fp32) the real run's hook (titanlite's mean_allreduce_hook) averages the
+    bucket in place inside the collective, so nothing more runs here. In bf16 it runs what titanlite's
+    bf16 hook runs: a bf16 copy, the divide, and the copy back."""
     dtype, tracker = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
@@ -374,10 +373,8 @@ class FakeRun:
             return _fsdp(model, cfg, dataclasses.replace(dims, device=torch.device("cuda", 0)), self._mesh,
                          self.device_memory)
         reduce_dtype = getattr(torch, cfg.parallelism.ddp_reduce_dtype)
-        wrap_cfg = copy.deepcopy(cfg)
-        wrap_cfg.parallelism.ddp_reduce_dtype = "float32"  # DDP takes one hook: ours, in that dtype
         with _ddp_without_shape_check(), _buckets_as_rebuilt():
-            model = apply_ddp(model, wrap_cfg, dims)
+            model = ddp_wrapper(model, cfg, dims)  # DDP takes one hook: ours, below
         model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
         model.reducer = _NoBucketRebuild(model.reducer)
         return model
@@ -405,9 +402,6 @@ class FakeRun:
             t.count_work = True
             t.reset_peak()
             self._step(local_batch, self.seq_len, micro_steps)
-            if MODES[self.mode].optimizer == "zero" and "opt" in t.work:
-                # ZeroRedundancyOptimizer steps, broadcasts and re-syncs parameter by parameter on the host
-                t.work["opt"].host_params = sum(len(g["params"]) for g in self.optimizer.param_groups)
             return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
 
     def close(self) -> None:

@@ -89,7 +89,6 @@ class PhaseWork:
     fused_bytes: float = 0.0        # bytes read + written by compiled graphs' generated kernels
     ops: int = 0                    # kernels launched
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
-    host_params: int = 0            # parameters a host-side loop walks one by one (ZeroRedundancyOptimizer's step)
 
 
 def _sharding_propagator():
@@ -279,8 +278,11 @@ class StepTracker(TorchDispatchMode):
         # Let tensor subclasses (DTensor, float8) desugar first: their local ops come back here.
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
-        out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
+        if func.namespace == "titanlite" and name == "weight_grad" and args[2].grad is not None:
+            out = _weight_grad_into(args[2])
+        else:
+            out = func(*args, **kwargs)
         if func.namespace == "c10d" and name in COLLECTIVES:
             self._collective(name, args)
         else:
@@ -329,6 +331,17 @@ class StepTracker(TorchDispatchMode):
                 return
             w.memory_bytes += sum(t.numel() * t.element_size() for t in ins + writes)
         w.ops += 1
+
+
+def _weight_grad_into(weight: torch.Tensor) -> torch.Tensor:
+    """titanlite.ops.master_linear.weight_grad where the weight holds a gradient, as the real op runs:
+    its GEMM adds into that gradient (or writes over it, when stale), and the gradient comes back
+    (the stale one as a view, as the op returns it). The op's fake kernel cannot do this (it would
+    have to touch `.grad`), and from it autograd would add a new tensor into the held gradient: a
+    pass the GPU never makes."""
+    acc, weight.grad = weight.grad, None
+    stale, weight.grad_stale = getattr(weight, "grad_stale", False), False
+    return acc.view_as(acc) if stale else acc
 
 
 def _group_size(args) -> int:

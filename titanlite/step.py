@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from titanlite.ops.loss import cross_entropy
 from titanlite.parallel.apply import float8_scale_hook
-from titanlite.parallel.data_parallel import clip_grad_norm, fused_clip_supported, grad_sync
+from titanlite.parallel.data_parallel import clip_grad_norm, fused_clip_supported, grad_sync, release_grads
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import autocasts
 
@@ -128,7 +128,7 @@ class TrainStep:
             else:
                 self.optimizer.step()  # a fused kernel skips a non-finite step on the device itself
             if self.zero_grad:
-                self.optimizer.zero_grad(set_to_none=True)
+                release_grads(self.model, self.optimizer)
         return StepOut(total, grad_norm, skipped)
 
 

@@ -23,6 +23,7 @@ import torch.utils._python_dispatch
 from titanlite.config import load_config
 from titanlite.ops.master_linear import MasterLinear, use_bf16_copy
 from titanlite.optim import MasterAdamW
+from titanlite.step import NO_HOOKS, StepHooks
 from titanlite.train import Trainer
 
 from conftest import free_port, gloo_rank
@@ -46,13 +47,19 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     """The aten ops run inside the context (autograd's own accumulation into .grad included)."""
 
-    def __init__(self):
+    def __init__(self, log: bool = False):
         super().__init__()
         self.seen = set()
+        # (op, its output's dtype and size) in order; not the tensor itself, whose extra reference
+        # would make autograd copy a gradient it could otherwise take as it is
+        self.log = [] if log else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen.add(func)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.log is not None and isinstance(out, torch.Tensor):
+            self.log.append((func, out.dtype, out.numel()))
+        return out
 
 
 # ------------------------------------------------------------------------------ gradients, one layer
@@ -240,6 +247,42 @@ def test_ddp_and_zero1_match_one_process(tmp_path):
         assert r[name]["losses"] == pytest.approx(single, rel=3e-4), name
     assert r["ddp"]["stale"] == r["zero1"]["stale"] == 0  # every rank's copies follow the masters
     assert r["zero1"]["losses"] == pytest.approx(r["ddp"]["losses"], rel=1e-6)
+
+
+def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    with gloo_rank(rank, world, port, out_dir) as results:
+        t = Trainer(load_config(base_args(os.path.join(out_dir, "ddp"), 2, *BF16, *ACCUM,
+                                          "--parallelism.data_parallel", "ddp")))
+        masters = {p.numel() for p in t.model.parameters() if hasattr(p, "bf16_copy")}
+        recorder = OpRecorder(log=True)
+
+        class InBackward(StepHooks):
+            def backward(self, micro, last):
+                return recorder
+
+        storages = []
+        for step in range(4):  # DDP lays out its buckets anew in step 2; from step 3 on they stay
+            t.step(lambda micro: t.next_batch(), InBackward() if step == 3 else NO_HOOKS)
+            storages.append({p.grad.untyped_storage().data_ptr() for p in t.model.parameters()
+                             if hasattr(p, "bf16_copy")})
+        copied = [str(f) for f, dtype, numel in recorder.log
+                  if f in (torch.ops.aten.copy_.default, torch.ops.aten.mul.out, torch.ops.aten.div_.Tensor,
+                           torch.ops.aten.div_.Scalar)
+                  and dtype == torch.float32 and numel in masters]
+        if rank == 0:
+            results.update(copied=copied, buckets=len(storages[3]), same=storages[2] == storages[3])
+        t.close()
+
+
+def test_ddp_masters_reduce_in_their_buckets(tmp_path):
+    """ddp keeps the masters' fp32 gradients in its reduce buckets between steps (released as stale):
+    each weight GEMM writes its gradient there, so DDP copies no master gradient into a bucket and
+    divides none (the mean is the all-reduce's own), over 2 gloo ranks with accumulation 2. The
+    losses stay the single process's (test_ddp_and_zero1_match_one_process)."""
+    mp.spawn(_bucket_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["copied"] == []
+    assert r["same"] and r["buckets"] < 4  # the gradients live in the same few bucket storages step to step
 
 
 @GPU

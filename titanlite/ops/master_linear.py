@@ -20,6 +20,11 @@ is handed, so its accumulation is a move, and DDP's hooks, the clip and the opti
 fp32 `.grad`. The op is opaque because `.grad` is state outside the graph, which torch.compile must
 neither trace nor reorder. A consequence: `torch.autograd.grad` on these weights while their
 `.grad` is set would return the sum of both (training only calls `backward`).
+
+A gradient released as stale (`release_stale`) keeps its storage: the next weight_grad writes the
+product over it (beta = 0, the old values never read) instead of adding. ddp releases its masters'
+gradients that way (titanlite.parallel.data_parallel.release_grads), so each one stays a view of
+DDP's reduce bucket and is written there by its GEMM: the reducer neither copies nor divides it.
 """
 
 from __future__ import annotations
@@ -28,33 +33,47 @@ import torch
 import torch.nn as nn
 
 
-def fp32_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b for bf16 (or fp32) `a`, `b` as fp32, added into `acc` (fp32, returned) when given.
+def fp32_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
+    """a @ b for bf16 (or fp32) `a`, `b` as fp32, added into `acc` (fp32, returned) when given, or
+    written over it with `overwrite`.
 
     On CUDA one cuBLAS GEMM with an fp32 output (it accumulates in fp32 in any case; this skips
-    rounding the result to bf16, and with `acc` it adds into it, beta = 1). Elsewhere, where that
-    GEMM does not exist, the operands are widened: products of bf16 numbers are exact in fp32, so
-    the values are those of the GEMM up to the order of summation."""
+    rounding the result to bf16, and with `acc` it adds into it, beta = 1, or ignores its values,
+    beta = 0). Elsewhere, where that GEMM does not exist, the operands are widened: products of bf16
+    numbers are exact in fp32, so the values are those of the GEMM up to the order of summation."""
     if a.is_cuda and a.dtype != torch.float32:
         if acc is None:
             return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0 if overwrite else 1, out=acc)
     with torch.autocast(a.device.type, enabled=False):
         a, b = a.float(), b.float()
-        return a @ b if acc is None else acc.addmm_(a, b)
+        if acc is None:
+            return a @ b
+        return torch.mm(a, b, out=acc) if overwrite else acc.addmm_(a, b)
 
 
 @torch.library.custom_op("titanlite::weight_grad", mutates_args=())
 def weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight.grad + grad_out^T x in fp32 (the product alone when weight.grad is None), in the
+    """weight.grad + grad_out^T x in fp32 (the product alone when weight.grad is None or stale), in the
     tensor that was weight.grad; weight.grad is left None (see the module docstring)."""
     acc, weight.grad = weight.grad, None
-    return fp32_mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc)
+    stale, weight.grad_stale = acc is not None and getattr(weight, "grad_stale", False), False
+    g = fp32_mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc, overwrite=stale)
+    if stale:
+        # A new tensor over the same storage: autograd takes a tensor nobody else holds as the gradient
+        # without a copy, and the stale one may be held elsewhere (it can be DDP's own bucket view).
+        return g.view_as(g)
+    return g
 
 
 @weight_grad.register_fake
 def _(grad_out, x, weight):
     return grad_out.new_empty(weight.shape, dtype=torch.float32)
+
+
+def release_stale(weight: torch.Tensor) -> None:
+    """Release a master's gradient without freeing it: its next weight_grad writes over it."""
+    weight.grad_stale = weight.grad is not None
 
 
 class _MasterMatmul(torch.autograd.Function):

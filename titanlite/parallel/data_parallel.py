@@ -22,7 +22,19 @@ from titanlite.parallel.policy import computes_bf16, hsdp_shape
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     """DistributedDataParallel: gradients all-reduced in buckets of parallelism.ddp_bucket_cap_mb, in
-    parallelism.ddp_reduce_dtype."""
+    parallelism.ddp_reduce_dtype, averaged by the collective itself (see mean_allreduce_hook)."""
+    ddp = ddp_wrapper(model, cfg, dims)
+    if cfg.parallelism.ddp_reduce_dtype == "bfloat16":
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
+    elif not (cfg.training.cuda_graphs and dims.device.type == "cuda"):
+        # A captured step keeps DDP's own division: with this hook the replayed step took 159-160 ms on
+        # 2 x H100, without it 150-151 (docs/performance.md, "Several GPUs")
+        ddp.register_comm_hook(None, mean_allreduce_hook)
+    return ddp
+
+
+def ddp_wrapper(model: nn.Module, cfg, dims) -> nn.Module:
+    """The DistributedDataParallel module of apply_ddp, before its comm hook."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [dims.device.index] if dims.device.type == "cuda" else None
@@ -32,11 +44,25 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
     # warns on the old one, which torch 2.11 still needs.
     no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
-                                  gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
-    if cfg.parallelism.ddp_reduce_dtype == "bfloat16":
-        ddp.register_comm_hook(None, bf16_allreduce_hook)
-    return ddp
+    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
+                                   gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
+
+
+def mean_allreduce_hook(group, bucket):
+    """DDP comm hook: all-reduce the bucket in place as the mean over ranks (NCCL's average, which
+    scales inside the collective). Without a hook DDP's reducer divides every gradient by the ranks
+    itself, a read and write of each gradient beside the backward (for a gradient already in its
+    bucket, see release_grads); with any hook it leaves the bucket alone. Gloo has no average: it
+    divides first, then sums."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    op = dist.ReduceOp.AVG
+    if dist.get_backend(group) != "nccl":
+        buf.div_(dist.get_world_size(group))
+        op = dist.ReduceOp.SUM
+    fut = dist.all_reduce(buf, op=op, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 def bf16_allreduce_hook(group, bucket):
@@ -73,8 +99,9 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
 
 
 def _fsdp(model: nn.Module, cfg, dims, mesh, device_memory: int | None = None) -> nn.Module:
-    """fully_shard each TransformerBlock, then the root (embedding, final norm, output). `device_memory`:
-    the GPU's bytes, for fsdp_reshard_after_forward=auto."""
+    """fully_shard each TransformerBlock, then the final norm with an untied output layer as one group,
+    then the root (the embedding, and a tied output). `device_memory`: the GPU's bytes, for
+    fsdp_reshard_after_forward=auto."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     p = cfg.parallelism
@@ -94,6 +121,12 @@ def _fsdp(model: nn.Module, cfg, dims, mesh, device_memory: int | None = None) -
     root_reshard = p.fsdp_reshard_after_forward == "always"
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
+    if model.output.weight is not model.tok_embeddings.weight:
+        # A group of its own: the head's gradients are complete as soon as the backward has passed the
+        # final norm, and reduce-scatter beside the blocks' backward instead of after the embedding's,
+        # the last gradient of the step; its gather rides ahead of the last blocks' forward. (A tied
+        # output shares the embedding's parameter, which one FSDP group must hold.)
+        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     if p.fsdp_copy_engine_all_gather:
         copy_engine_all_gather(model, dims, mesh)
@@ -208,6 +241,25 @@ def grad_sync(model: nn.Module, enabled: bool):
     if is_fsdp(model):
         model.set_requires_gradient_sync(enabled)  # applies to every FSDP module below the root
     return contextlib.nullcontext()
+
+
+def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After the update: gradients set to None, except where ddp keeps them in its buckets
+    (parallelism.ddp_bucket_view): there the bf16 copies' fp32 masters keep theirs as stale
+    (titanlite.ops.master_linear.release_stale), so the next backward's weight GEMMs write straight
+    into DDP's buckets and the reducer copies none of them in. Those buckets live for the whole run,
+    so keeping the views costs no memory; elsewhere (one device, fsdp) freed gradients make room for
+    the next forward's activations."""
+    from titanlite.ops.master_linear import release_stale
+
+    if isinstance(model, nn.parallel.DistributedDataParallel) and model.gradient_as_bucket_view:
+        for p in model.parameters():
+            if hasattr(p, "bf16_copy"):
+                release_stale(p)
+            else:
+                p.grad = None
+        return
+    optimizer.zero_grad(set_to_none=True)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
