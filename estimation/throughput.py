@@ -15,9 +15,7 @@ gradient reduction, which have nothing to hide behind, and the optimizer phase's
 hidden collective is not free: its kernels take SMs and memory bandwidth from the compute beside
 it, which runs longer by the collective's hidden time x a measured rate per kind of collective
 (`beside_collectives` in calibration.json: all-reduce for ddp and zero1, gather and reduce-scatter
-for fsdp and hsdp). The step is never shorter than the host's time for it: its kernel launches, plus
-zero1's optimizer step, which ZeroRedundancyOptimizer runs parameter by parameter on the host
-(`host_param_us` per parameter tensor); at small batches that host time is the step.
+for fsdp and hsdp). The step is never shorter than the host's time for its kernel launches.
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
 measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
@@ -35,7 +33,7 @@ from estimation.hardware import GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
-         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us", "host_param_us")
+         "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
 TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
 # collective op (estimation.tracker.COLLECTIVES) -> its kind in calibration.json's beside_collectives
 COLLECTIVE_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "all_reduce",
@@ -58,7 +56,6 @@ class Assumptions:
     link_efficiency: float
     launch_us: float
     gap_us: float = 0.0
-    host_param_us: float = 0.0  # host time per parameter tensor of a host-side per-parameter loop (zero1)
     # kind of collective -> ms of extra compute per ms of that collective hidden behind compute
     beside_collectives: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
@@ -80,12 +77,22 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
         sources[name] = "estimate." + name if override > 0 else _source(entry)
     att = cal["attention"].get(attention_backend, cal["attention"]["sdpa"])
     sources["attention_efficiency"] = _source(att)
-    beside = cal.get("beside_collectives", {})
-    for kind, entry in beside.items():
-        sources[f"beside_{kind}"] = _source(entry)
+    beside = {}
+    for kind, entry in cal.get("beside_collectives", {}).items():
+        beside[kind], sources[f"beside_{kind}"] = _beside_rate(entry, hw.key)
     return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=link,
                        attention_backend=attention_backend, attention_efficiency=att["value"], sources=sources,
-                       beside_collectives={k: e["value"] for k, e in beside.items()}, **rates)
+                       beside_collectives=beside, **rates)
+
+
+def _beside_rate(entry: dict, gpu: str) -> tuple[float, str]:
+    """One kind of collective's beside rate on `gpu`, and its source: the GPU's own fit, else the mean of
+    the GPUs fitted (how much a collective slows the compute beside it differed four- to sevenfold
+    between the 2 x H100 and the 2 x H200 measured)."""
+    fits = {k: e for k, e in entry.items() if isinstance(e, dict)}
+    if gpu in fits:
+        return fits[gpu]["value"], _source(fits[gpu])
+    return sum(e["value"] for e in fits.values()) / len(fits), f"mean of the fits on {', '.join(sorted(fits))}"
 
 
 def _source(entry: dict) -> str:
@@ -138,13 +145,13 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
     edges = beside_all = 0.0  # beside_all: the compute added were every collective hidden
-    host = 0.0  # the host's time for the step: kernel launches and per-parameter loops
+    host = 0.0  # the host's time for the step: its kernel launches
     for phase, w in work.items():
         n = _weights(accum).get(phase, 0)
         if not n:
             continue
         t = _phase_times(w, a, optimizer=phase == "opt")
-        host += n * (w.ops * a.launch_us + w.host_params * a.host_param_us) * 1e-6
+        host += n * w.ops * a.launch_us * 1e-6
         compute = sum(t[k] for k in terms)
         for k in terms:
             terms[k] += n * t[k]
