@@ -28,7 +28,7 @@ def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
         ddp.register_comm_hook(None, bf16_allreduce_hook)
     elif not (cfg.training.cuda_graphs and dims.device.type == "cuda"):
         # A captured step keeps DDP's own division: with this hook the replayed step took 159-160 ms on
-        # 2 x H100, without it 150-151 (docs/performance.md, "Several GPUs")
+        # 2 x H100, without it 150-151 (docs/parallelism.md, "ddp's gradients stay in its buckets")
         ddp.register_comm_hook(None, mean_allreduce_hook)
     return ddp
 
