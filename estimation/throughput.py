@@ -15,7 +15,7 @@ gradient reduction, which have nothing to hide behind, and the optimizer phase's
 hidden collective is not free: its kernels take SMs and memory bandwidth from the compute beside
 it, which runs longer by the collective's hidden time x a measured rate per kind of collective
 (`beside_collectives` in calibration.json: all-reduce for ddp and zero1, gather and reduce-scatter
-for fsdp and hsdp). The step is never shorter than the host's time for its kernel launches.
+for fsdp and hsdp).
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
 measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
@@ -145,13 +145,11 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
     terms = dict.fromkeys(TERMS, 0.0)
     comm_fb = comm_opt = compute_fb = compute_opt = 0.0
     edges = beside_all = 0.0  # beside_all: the compute added were every collective hidden
-    host = 0.0  # the host's time for the step: its kernel launches
     for phase, w in work.items():
         n = _weights(accum).get(phase, 0)
         if not n:
             continue
         t = _phase_times(w, a, optimizer=phase == "opt")
-        host += n * w.ops * a.launch_us * 1e-6
         compute = sum(t[k] for k in terms)
         for k in terms:
             terms[k] += n * t[k]
@@ -165,14 +163,12 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
             first, last = t["comm_edges"]
             edges += first if phase.startswith("fwd") else 0.0
             edges += last if phase == "bwd_last" else 0.0
-    no_overlap = max(compute_fb + comm_fb + compute_opt + comm_opt, host)
+    no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
     hidden_comm = max(0.0, comm_fb - edges)
     beside = beside_all * hidden_comm / comm_fb if comm_fb else 0.0  # only the hidden share slows the compute
-    gpu = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
-    overlap = max(gpu, host)
-    terms["comm_exposed"] = max(0.0, gpu - compute_fb - beside - compute_opt)
+    overlap = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
+    terms["comm_exposed"] = max(0.0, overlap - compute_fb - beside - compute_opt)
     terms["comm_beside"] = beside
-    terms["host_bound"] = overlap - gpu  # what the host's time adds over the GPU's
     terms["comm_total"] = comm_fb + comm_opt
 
     def rate(step_s):
@@ -180,7 +176,7 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
         return {"step_ms": 1000 * step_s, "tokens_per_sec": tps, "tokens_per_sec_per_gpu": tps / world,
                 "mfu_pct": mfu_pct(tps, flops_per_token, world, a.peak_tflops)}
 
-    dominant = max((*TERMS, "comm_exposed", "comm_beside", "host_bound"), key=lambda k: terms[k])
+    dominant = max((*TERMS, "comm_exposed", "comm_beside"), key=lambda k: terms[k])
     return {"overlap": rate(overlap), "no_overlap": rate(no_overlap),
             "terms_ms": {k: 1000 * v for k, v in terms.items()}, "dominant": dominant,
             "work": work_totals(work, accum), "assumptions": asdict(a)}

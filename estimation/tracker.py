@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrappe
                                           is_traceable_wrapper_subclass_type)
 from torch.utils._pytree import tree_flatten
 
+from titanlite.ops.master_linear import accumulate_weight_grad
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
 ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_memory_allocated counts them
 
@@ -279,8 +281,11 @@ class StepTracker(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         name = func.__name__.split(".")[0]
-        if func.namespace == "titanlite" and name == "weight_grad" and args[2].grad is not None:
-            out = _weight_grad_into(args[2])
+        if func.namespace == "titanlite" and name == "weight_grad":
+            # the op's own eager body, as the GPU runs it: where the weight holds a gradient its GEMM
+            # writes into it (the fake kernel would hand autograd a new tensor to add, a pass the GPU
+            # never makes); its widened CPU operands are not counted, being inside this dispatch
+            out = accumulate_weight_grad(*args)
         else:
             out = func(*args, **kwargs)
         if func.namespace == "c10d" and name in COLLECTIVES:
@@ -331,17 +336,6 @@ class StepTracker(TorchDispatchMode):
                 return
             w.memory_bytes += sum(t.numel() * t.element_size() for t in ins + writes)
         w.ops += 1
-
-
-def _weight_grad_into(weight: torch.Tensor) -> torch.Tensor:
-    """titanlite.ops.master_linear.weight_grad where the weight holds a gradient, as the real op runs:
-    its GEMM adds into that gradient (or writes over it, when stale), and the gradient comes back
-    (the stale one as a view, as the op returns it). The op's fake kernel cannot do this (it would
-    have to touch `.grad`), and from it autograd would add a new tensor into the held gradient: a
-    pass the GPU never makes."""
-    acc, weight.grad = weight.grad, None
-    stale, weight.grad_stale = getattr(weight, "grad_stale", False), False
-    return acc.view_as(acc) if stale else acc
 
 
 def _group_size(args) -> int:

@@ -54,8 +54,19 @@ def fp32_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, o
 
 @torch.library.custom_op("titanlite::weight_grad", mutates_args=())
 def weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The opaque op over accumulate_weight_grad (see the module docstring)."""
+    return accumulate_weight_grad(grad_out, x, weight)
+
+
+@weight_grad.register_fake
+def _(grad_out, x, weight):
+    return grad_out.new_empty(weight.shape, dtype=torch.float32)
+
+
+def accumulate_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight.grad + grad_out^T x in fp32 (the product alone when weight.grad is None or stale), in the
-    tensor that was weight.grad; weight.grad is left None (see the module docstring)."""
+    tensor that was weight.grad; weight.grad is left None. (A dry run calls this on fake tensors where
+    the op's fake kernel could not: it touches `.grad`.)"""
     acc, weight.grad = weight.grad, None
     stale, weight.grad_stale = acc is not None and getattr(weight, "grad_stale", False), False
     g = fp32_mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc, overwrite=stale)
@@ -64,11 +75,6 @@ def weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
         # without a copy, and the stale one may be held elsewhere (it can be DDP's own bucket view).
         return g.view_as(g)
     return g
-
-
-@weight_grad.register_fake
-def _(grad_out, x, weight):
-    return grad_out.new_empty(weight.shape, dtype=torch.float32)
 
 
 def release_stale(weight: torch.Tensor) -> None:
