@@ -56,7 +56,7 @@ SUITES: dict[str, dict[str, list[str]]] = {
         "ddp autocast": _dp("ddp", *AUTOCAST),
         "ddp reduce=bf16": _dp("ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"),
         "fsdp reduce=bf16": _dp("fsdp", "--parallelism.fsdp_reduce_dtype", "bfloat16"),
-        "fsdp copy_engine": _dp("fsdp", "--parallelism.fsdp_copy_engine_all_gather"),
+        "fsdp sm_all_gather": _dp("fsdp", "--parallelism.fsdp_copy_engine_all_gather", "off"),
         "fsdp reshard=never": _dp("fsdp", "--parallelism.fsdp_reshard_after_forward", "never"),
     },
     # Qwen3 1.8B (GQA 16/8 heads, qk-norm) at the same batch and sequence.

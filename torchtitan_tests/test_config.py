@@ -332,7 +332,7 @@ def test_float8_on_two_cpu_processes_is_refused_before_torchrun(tmp_path):
                                             "not compute capability 8.0"),
     (["--float8.enable"], None, None),  # nvidia-smi cannot tell: the ranks find out
     (["--float8.enable", "--float8.emulate"], [], None),
-    (["--parallelism.fsdp_copy_engine_all_gather"], [], "needs CUDA GPUs and NCCL; this machine has no GPU"),
+    (["--parallelism.fsdp_copy_engine_all_gather", "on"], [], "=on needs CUDA GPUs and NCCL; this machine has no GPU"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_option", "x"], None,
      "activation_checkpoint.selective_option must be 'op' or a positive integer N; got 'x'"),
 ])

@@ -377,31 +377,70 @@ def _copy_engine_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("titanlite").addHandler(handler)
+    logging.getLogger("titanlite").setLevel(logging.INFO)  # as titanlite.train's main sets it
     try:
-        Trainer(load_config(base_args(os.path.join(out_dir, "ce"), 4, "--parallelism.data_parallel", "fsdp",
-                                      "--parallelism.fsdp_copy_engine_all_gather")))
-        message = "no error"
-    except ConfigError as e:
-        message = str(e)
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
-        fh.write(message)
+        lines = {}
+        for setting in ("on", "auto"):
+            try:
+                Trainer(load_config(base_args(os.path.join(out_dir, setting), 4, "--parallelism.data_parallel",
+                                              "fsdp", "--parallelism.fsdp_copy_engine_all_gather", setting)))
+                lines[setting] = [r.getMessage() for r in records if "fsdp_copy_engine_all_gather" in r.getMessage()]
+            except ConfigError as e:
+                lines[setting] = str(e)
+    finally:
+        logging.getLogger("titanlite").removeHandler(handler)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(lines, fh)
     dist.destroy_process_group()
 
 
 def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
     """Only FSDP gathers parameters (ddp refused before torchrun, in one line); FSDP on gloo/CPU has no
-    NCCL symmetric memory to gather into, and every rank says so instead of failing inside NCCL."""
+    NCCL symmetric memory to gather into: `on` makes every rank say so instead of failing inside NCCL,
+    `auto` (the default) trains with NCCL's ordinary gathers and the main rank says why, once."""
     r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2",
-                        "--parallelism.data_parallel", "ddp", "--parallelism.fsdp_copy_engine_all_gather"],
+                        "--parallelism.data_parallel", "ddp", "--parallelism.fsdp_copy_engine_all_gather", "on"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "error: parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel=ddp: "
+        "error: parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel=ddp: "
         "only fsdp and hsdp gather parameters"]
     mp.spawn(_copy_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == (
-            "parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not cpu with gloo")
+        lines = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert lines["on"] == "parallelism.fsdp_copy_engine_all_gather=on needs CUDA GPUs and NCCL, not cpu with gloo"
+        assert lines["auto"] == (["parallelism.fsdp_copy_engine_all_gather=auto: off: it needs CUDA GPUs and NCCL, "
+                                  "not cpu with gloo"] if rank == 0 else [])
+
+
+@pytest.mark.parametrize("setting,refusal,float8,shard,per_host,use", [
+    ("auto", None, False, 8, 8, True),                # one 8-GPU node
+    ("auto", None, False, 2, 8, True),                # hsdp: shards of 2 inside each node
+    ("auto", None, False, 16, 8, False),              # fsdp over two nodes: the gathers cross hosts
+    ("auto", None, True, 8, 8, False),                # float8's gathers: not measured there
+    ("auto", "needs CUDA GPUs and NCCL, not cpu with gloo", False, 2, 2, False),
+    ("on", None, True, 16, 8, True),                  # asked for: taken as asked
+    ("off", None, False, 8, 8, False),
+])
+def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, float8, shard, per_host, use):
+    from titanlite.parallel.data_parallel import copy_engine_decision
+
+    got, why = copy_engine_decision(setting, refusal, float8, shard, per_host)
+    assert got is use and why.startswith("on" if use else "off"), why
+    if not use and setting == "auto":
+        assert why != "off"  # auto says what kept it off
+
+
+def test_copy_engine_on_refuses_where_it_cannot():
+    from titanlite.parallel.data_parallel import copy_engine_decision
+
+    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_copy_engine_all_gather=on needs NCCL 2\.28"):
+        copy_engine_decision("on", "needs NCCL 2.28 or newer for copy-engine collectives; this torch runs 2.27.3",
+                             False, 2, 2)
 
 
 def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):

@@ -54,8 +54,8 @@ def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
         if not capabilities or lacking:
             raise ConfigError(float8_refusal("CPU" if not capabilities else
                                              f"compute capability {lacking[0][0]}.{lacking[0][1]}"))
-    if cfg.parallelism.fsdp_copy_engine_all_gather and not capabilities:
-        raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL; this machine has no GPU")
+    if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not capabilities:
+        raise ConfigError("parallelism.fsdp_copy_engine_all_gather=on needs CUDA GPUs and NCCL; this machine has no GPU")
 
 
 def main(argv: list[str]) -> None:

@@ -129,11 +129,12 @@ class Parallelism:
                 "except that the blocks keep theirs when all their gathered params take at most 1/16 of the "
                 "GPU's memory, which saves backward's second gather)")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "fsdp/hsdp: gradient reduce-scatter dtype")
-    fsdp_copy_engine_all_gather: bool = doc(
-        False, "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory under NCCL's zero-CTA policy, "
-               "so the GPU's copy engines move them over NVLink and the SMs stay with the GEMMs; the gathers "
-               "get a communicator of their own, the reduce-scatters keep SM kernels (needs NCCL >= 2.28 "
-               "symmetric memory)")
+    fsdp_copy_engine_all_gather: Literal["auto", "on", "off"] = doc(
+        "auto", "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory over a communicator of their own "
+                "under NCCL's zero-CTA policy, so the GPU's copy engines move them over NVLink and the SMs stay "
+                "with the GEMMs (the reduce-scatters keep SM kernels; needs NCCL >= 2.28). auto = on where every "
+                "gather group is inside one host and float8 is off, and says which; on = refuse to start where "
+                "it cannot; off = NCCL's SM kernels")
 
 
 @dataclass

@@ -300,8 +300,8 @@ def check_combination(cfg: JobConfig, world: int) -> None:
     if cfg.compile.coordinate_descent_tuning and not cfg.compile.enable:
         raise ConfigError("compile.coordinate_descent_tuning needs compile.enable: without compile there are no "
                           "generated kernels to tune")
-    if cfg.parallelism.fsdp_copy_engine_all_gather and not MODES[cfg.parallelism.data_parallel].shards_params:
-        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather with parallelism.data_parallel="
+    if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not MODES[cfg.parallelism.data_parallel].shards_params:
+        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
 
 

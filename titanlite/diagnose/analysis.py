@@ -826,10 +826,16 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss 
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
         # the remedies in the order they measured best (docs/diagnosis.md, "Measured remedies")
         if traits.shards_params:
-            fix = ("--parallelism.fsdp_copy_engine_all_gather moves the parameter all-gathers onto the copy engines, "
-                   "and --parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes")
+            fix = "--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes"
+            if cfg_value(run, "parallelism.fsdp_copy_engine_all_gather") in ("auto", "on", True):
+                fix += (" (the parameter all-gathers already run on the copy engines where one host holds every "
+                        "gather group: parallelism.fsdp_copy_engine_all_gather, auto by default)")
+            else:  # off, or a log that does not say
+                fix = ("--parallelism.fsdp_copy_engine_all_gather auto moves the parameter all-gathers onto the copy "
+                       "engines, and " + fix)
         else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
-            fix = "fsdp with --parallelism.fsdp_copy_engine_all_gather keeps most of its collectives off the SMs"
+            fix = ("fsdp, whose parameter all-gathers run on the copy engines by default "
+                   "(parallelism.fsdp_copy_engine_all_gather), keeps most of its collectives off the SMs")
             if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16":
                 fix = ("--parallelism.ddp_reduce_dtype bfloat16 halves the all-reduced bytes (the gradients are "
                        "summed over the ranks in bf16); beyond that, " + fix)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 
 import torch
 import torch.nn as nn
@@ -128,23 +129,85 @@ def _fsdp(model: nn.Module, cfg, dims, mesh, device_memory: int | None = None) -
         # output shares the embedding's parameter, which one FSDP group must hold.)
         fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
-    if p.fsdp_copy_engine_all_gather:
-        copy_engine_all_gather(model, dims, mesh)
     return model
 
 
-def copy_engine_all_gather(model: nn.Module, dims, mesh) -> None:
-    """Every FSDP module gathers into NCCL symmetric memory, over a communicator of its own made under
-    NCCL's zero-CTA policy: NCCL then moves the gathered bytes with the copy engines instead of SM
-    kernels, so the gathers stop taking SMs from the GEMMs they overlap, while the reduce-scatters
-    keep the job's communicator and its full share of SMs."""
+# NCCL's copy-engine collectives (zero-CTA policy over symmetric memory) arrived in 2.28
+COPY_ENGINE_NCCL = (2, 28)
+
+
+def copy_engine_refusal(dims) -> str | None:
+    """Why this process cannot gather on the copy engines (parallelism.fsdp_copy_engine_all_gather), or None."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
 
     backend = dist.get_backend() if dist.is_initialized() else None
     if dims.device.type != "cuda" or backend != "nccl":
-        raise ConfigError("parallelism.fsdp_copy_engine_all_gather needs CUDA GPUs and NCCL, not "
-                          f"{dims.device.type} with {backend or 'no process group'}")
+        return f"needs CUDA GPUs and NCCL, not {dims.device.type} with {backend or 'no process group'}"
+    if getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", None) is None or not hasattr(
+            dist.ProcessGroupNCCL.Options().config, "cta_policy"):
+        return f"needs NCCL's per-communicator CTA policy, which torch {torch.__version__} does not expose"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # noqa: F401
+    except ImportError:
+        symm_mem = None
+    if symm_mem is None or not hasattr(symm_mem, "get_mem_pool") or not hasattr(FSDPModule, "set_custom_all_gather"):
+        return f"needs NCCL symmetric memory and FSDP's custom all-gather, which torch {torch.__version__} lacks"
+    nccl = torch.cuda.nccl.version()
+    if nccl < COPY_ENGINE_NCCL:
+        return (f"needs NCCL {'.'.join(map(str, COPY_ENGINE_NCCL))} or newer for copy-engine collectives; this torch "
+                f"runs {'.'.join(map(str, nccl))}")
+    return None
+
+
+def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int,
+                         ranks_per_host: int) -> tuple[bool, str]:
+    """parallelism.fsdp_copy_engine_all_gather: do the gathers run on the copy engines, and why (one phrase).
+    `refusal`: copy_engine_refusal's answer; `shard`: ranks in a gather group; `ranks_per_host`: torchrun's
+    LOCAL_WORLD_SIZE. `on` raises ConfigError where it cannot; `auto` is on where every gather group is
+    inside one host (NCCL's copy-engine path runs over NVLink) and float8 is off (its float8 gathers were
+    never measured there)."""
+    if setting == "off":
+        return False, "off"
+    if setting == "on":
+        if refusal:
+            raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on {refusal}")
+        return True, "on"
+    if refusal:
+        return False, refusal.replace("needs", "off: it needs", 1)
+    if ranks_per_host % shard:
+        return False, f"off: a gather group of {shard} ranks spans hosts of {ranks_per_host}"
+    if float8:
+        return False, "off: float8's gathers have not been measured on the copy engines"
+    return True, "on"
+
+
+def gathers_on_copy_engines(model: nn.Module, cfg, dims, mesh) -> None:
+    """Apply parallelism.fsdp_copy_engine_all_gather to the sharded `model` (see copy_engine_decision);
+    `auto` says on the main rank what it chose."""
+    setting = cfg.parallelism.fsdp_copy_engine_all_gather
+    if setting == "off":
+        return
+    shard = mesh.size(mesh.mesh_dim_names.index("dp_shard"))
+    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), cfg.float8.enable, shard,
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
+    if setting == "auto" and dims.is_main:
+        logging.getLogger("titanlite").info(
+            f"parallelism.fsdp_copy_engine_all_gather=auto: {why}"
+            + (" (the parameter gathers move over NVLink on the copy engines, beside the GEMMs)" if use else ""))
+    if use:
+        copy_engine_all_gather(model, mesh)
+
+
+def copy_engine_all_gather(model: nn.Module, mesh) -> None:
+    """Every FSDP module gathers into NCCL symmetric memory, over a communicator of its own made under
+    NCCL's zero-CTA policy: NCCL then moves the gathered bytes with the copy engines instead of SM
+    kernels, so the gathers stop taking SMs from the GEMMs they overlap, while the reduce-scatters
+    keep the job's communicator and its full share of SMs. (copy_engine_refusal has checked that
+    this torch and NCCL can.)"""
+    from torch.distributed.fsdp import FSDPModule
+
     comm = _symmetric_all_gather(_zero_cta_group(mesh, "dp_shard"))
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -157,11 +220,7 @@ def _zero_cta_group(mesh, dim: str):
     import torch.distributed as dist
 
     opts = dist.ProcessGroupNCCL.Options()
-    zero = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", None)
-    if zero is None or not hasattr(opts.config, "cta_policy"):
-        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL's per-communicator CTA policy, which "
-                          f"torch {torch.__version__} does not expose")
-    opts.config.cta_policy = zero
+    opts.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
     i = mesh.mesh_dim_names.index(dim)
     mine = None
     for row in mesh.mesh.movedim(i, -1).reshape(-1, mesh.size(i)).tolist():  # the groups along `dim`
@@ -175,16 +234,9 @@ def _symmetric_all_gather(gather_group):
     """An FSDP all-gather over `gather_group` whose output buffers come from NCCL's symmetric-memory pool
     and are registered with every rank before the collective (what makes NCCL pick its copy-engine path)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-    except ImportError:
-        symm_mem = None
-    if symm_mem is None or not hasattr(symm_mem, "get_mem_pool") or not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather needs NCCL symmetric memory and FSDP's custom "
-                          f"all-gather, which torch {torch.__version__} lacks")
     symm_mem.set_backend("NCCL")
     # The gather communicator must exist before the first rendezvous.
     dist.barrier(group=gather_group)
@@ -207,7 +259,9 @@ def apply_fsdp(model: nn.Module, cfg, dims) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dims.device.type, (dims.world_size,), mesh_dim_names=("dp_shard",))
-    return _fsdp(model, cfg, dims, mesh, _device_memory(dims))
+    model = _fsdp(model, cfg, dims, mesh, _device_memory(dims))
+    gathers_on_copy_engines(model, cfg, dims, mesh)
+    return model
 
 
 def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -216,7 +270,9 @@ def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
 
     shape = hsdp_shape(cfg, dims.world_size)
     mesh = init_device_mesh(dims.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return _fsdp(model, cfg, dims, mesh, _device_memory(dims))
+    model = _fsdp(model, cfg, dims, mesh, _device_memory(dims))
+    gathers_on_copy_engines(model, cfg, dims, mesh)
+    return model
 
 
 def _device_memory(dims) -> int | None:
