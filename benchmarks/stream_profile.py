@@ -17,7 +17,9 @@ only) and prints, for the first and the last rank:
 - how long each runs per step, and how much compute-kernel time overlaps them: the same GEMMs
   taking longer here than in a one-GPU run is the cost of sharing SMs and memory with the
   collectives, which no timeline of exposed communication shows;
-- the other streams' kernels (NCCL, copy-engine memcpy, FSDP's copy-in).
+- the other streams' kernels (NCCL, copy-engine memcpy, FSDP's copy-in);
+- the compute stream's longest idle stretches (over 30 us), by the kernels either side and what the
+  other streams ran meanwhile: where in the step it waits, and on what.
 Compare a 1-GPU run with the N-GPU one: `--ngpus 1` profiles the same step alone.
 """
 
@@ -54,6 +56,10 @@ def category(name: str) -> str:
     return "other"
 
 
+GAP_FLOOR_US = 30  # shorter idle stretches are launch gaps between dependent kernels, not waits
+GAPS_SHOWN = 5
+
+
 def _union(intervals) -> float:
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
@@ -85,14 +91,24 @@ def analyse(events: list[dict], steps: float) -> dict:
     for e in comp:
         cats[category(e["name"])] += e["dur"]
     idle = idle_comm = overlap = 0.0
-    end = t0
+    end, before = t0, comp[0]
+    gaps = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])  # (kernel before, after) -> us, n, beside
+    others_events = [e for s, es in by_stream.items() if s != cs for e in es]
     for e in comp:
         s, f = e["ts"], e["ts"] + e["dur"]
         if s > end:
             idle += s - end
             idle_comm += _union([(max(a, end), min(b, s)) for a, b in comm if a < s and b > end])
+            if s - end > GAP_FLOOR_US:
+                g = gaps[(_short(before["name"]), _short(e["name"]))]
+                g[0] += s - end
+                g[1] += 1
+                for o in others_events:
+                    if o["ts"] < s and o["ts"] + o["dur"] > end:
+                        g[2][category(o["name"])] += min(o["ts"] + o["dur"], s) - max(o["ts"], end)
         overlap += _union([(max(a, s), min(b, f)) for a, b in comm if a < f and b > s])
-        end = max(end, f)
+        if f > end:
+            end, before = f, e
     others = {}
     for s, es in by_stream.items():
         if s != cs:
@@ -107,7 +123,12 @@ def analyse(events: list[dict], steps: float) -> dict:
 
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
             "idle": idle / ms, "idle_during_comm": idle_comm / ms, "nccl_active": active(nccl),
-            "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others}
+            "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others,
+            # the idle gaps longer than GAP_FLOOR_US, by the kernels either side, longest first: ms and count per
+            # step, and what the other streams ran meanwhile (ms per step by category)
+            "gaps": [{"after": k[0], "before": k[1], "ms": us / ms, "per_step": n / steps,
+                      "beside": {c: v / ms for c, v in b.most_common()}}
+                     for k, (us, n, b) in sorted(gaps.items(), key=lambda kv: -kv[1][0])]}
 
 
 def report(r: dict, title: str) -> str:
@@ -118,7 +139,15 @@ def report(r: dict, title: str) -> str:
              f"overlapping either {r['compute_overlapping_comm']:.1f}"]
     lines += [f"   {k:<26} {v:7.2f} ms" for k, v in r["busy"].items()]
     lines += [f"   stream {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for s, c in r["other_streams"].items()]
+    for g in r["gaps"][:GAPS_SHOWN]:
+        beside = ", ".join(f"{k} {v:.2f}" for k, v in g["beside"].items()) or "nothing"
+        lines.append(f"   idle {g['ms']:.2f} ms ({g['per_step']:.1f} a step) after {g['after']} before {g['before']}; "
+                     f"beside it: {beside}")
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    return f"{category(name)}:{name[:40]}"
 
 
 def launch_and_report(ngpus: int, args: list[str]) -> int:
