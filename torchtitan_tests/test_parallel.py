@@ -417,19 +417,25 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
                                   "not cpu with gloo"] if rank == 0 else [])
 
 
-@pytest.mark.parametrize("setting,refusal,float8,shard,per_host,use", [
-    ("auto", None, False, 8, 8, True),                # one 8-GPU node
-    ("auto", None, False, 2, 8, True),                # hsdp: shards of 2 inside each node
-    ("auto", None, False, 16, 8, False),              # fsdp over two nodes: the gathers cross hosts
-    ("auto", None, True, 8, 8, False),                # float8's gathers: not measured there
-    ("auto", "needs CUDA GPUs and NCCL, not cpu with gloo", False, 2, 2, False),
-    ("on", None, True, 16, 8, True),                  # asked for: taken as asked
-    ("off", None, False, 8, 8, False),
+H100 = ("NVIDIA H100 80GB HBM3", 450.0)
+
+
+@pytest.mark.parametrize("setting,refusal,float8,shard,per_host,gpu,use", [
+    ("auto", None, False, 8, 8, H100, True),                # one 8-GPU node
+    ("auto", None, False, 2, 8, H100, True),                # hsdp: shards of 2 inside each node
+    ("auto", None, False, 8, 8, ("NVIDIA B200", 900.0), True),
+    ("auto", None, False, 16, 8, H100, False),              # fsdp over two nodes: the gathers cross hosts
+    ("auto", None, True, 8, 8, H100, False),                # float8's gathers: not measured there
+    ("auto", None, False, 4, 4, ("NVIDIA H100 PCIe", 64.0), False),  # no NVSwitch fabric
+    ("auto", None, False, 4, 4, ("NVIDIA RTX 9000", None), False),   # a GPU the table does not know
+    ("auto", "needs CUDA GPUs and NCCL, not cpu with gloo", False, 2, 2, ("cpu", None), False),
+    ("on", None, True, 16, 8, ("NVIDIA H100 PCIe", 64.0), True),     # asked for: taken as asked
+    ("off", None, False, 8, 8, H100, False),
 ])
-def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, float8, shard, per_host, use):
+def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, float8, shard, per_host, gpu, use):
     from titanlite.parallel.data_parallel import copy_engine_decision
 
-    got, why = copy_engine_decision(setting, refusal, float8, shard, per_host)
+    got, why = copy_engine_decision(setting, refusal, float8, shard, per_host, *gpu)
     assert got is use and why.startswith("on" if use else "off"), why
     if not use and setting == "auto":
         assert why != "off"  # auto says what kept it off
@@ -440,7 +446,7 @@ def test_copy_engine_on_refuses_where_it_cannot():
 
     with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_copy_engine_all_gather=on needs NCCL 2\.28"):
         copy_engine_decision("on", "needs NCCL 2.28 or newer for copy-engine collectives; this torch runs 2.27.3",
-                             False, 2, 2)
+                             False, 2, 2, *H100)
 
 
 def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):

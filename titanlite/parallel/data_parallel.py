@@ -161,13 +161,19 @@ def copy_engine_refusal(dims) -> str | None:
     return None
 
 
-def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int,
-                         ranks_per_host: int) -> tuple[bool, str]:
+# auto gathers on the copy engines only over NVSwitch fabrics this fast per GPU and direction (NVLink 4 and 5:
+# H100 SXM, H200, B200, GB200 in titanlite.hardware), where it was measured or NCCL's path is built for
+COPY_ENGINE_MIN_LINK_GBPS = 400.0
+
+
+def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int, ranks_per_host: int,
+                         gpu: str, link_gbps: float | None) -> tuple[bool, str]:
     """parallelism.fsdp_copy_engine_all_gather: do the gathers run on the copy engines, and why (one phrase).
     `refusal`: copy_engine_refusal's answer; `shard`: ranks in a gather group; `ranks_per_host`: torchrun's
-    LOCAL_WORLD_SIZE. `on` raises ConfigError where it cannot; `auto` is on where every gather group is
-    inside one host (NCCL's copy-engine path runs over NVLink) and float8 is off (its float8 gathers were
-    never measured there)."""
+    LOCAL_WORLD_SIZE; `gpu`, `link_gbps`: the device's name and its link in titanlite.hardware's table
+    (None: not in it). `on` raises ConfigError where it cannot; `auto` is on where every gather group is
+    inside one host on an NVSwitch fabric (NCCL's copy-engine path runs over NVLink) and float8 is off
+    (float8's gathers were never measured there)."""
     if setting == "off":
         return False, "off"
     if setting == "on":
@@ -178,6 +184,10 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
         return False, refusal.replace("needs", "off: it needs", 1)
     if ranks_per_host % shard:
         return False, f"off: a gather group of {shard} ranks spans hosts of {ranks_per_host}"
+    if link_gbps is None or link_gbps < COPY_ENGINE_MIN_LINK_GBPS:
+        known = "is not in titanlite.hardware's table" if link_gbps is None else f"links at {link_gbps:g} GB/s"
+        return False, (f"off: {gpu} {known}; auto takes the copy engines on NVSwitch nodes of at least "
+                       f"{COPY_ENGINE_MIN_LINK_GBPS:g} GB/s (set it on to try)")
     if float8:
         return False, "off: float8's gathers have not been measured on the copy engines"
     return True, "on"
@@ -189,9 +199,14 @@ def gathers_on_copy_engines(model: nn.Module, cfg, dims, mesh) -> None:
     setting = cfg.parallelism.fsdp_copy_engine_all_gather
     if setting == "off":
         return
+    from titanlite.hardware import lookup
+
     shard = mesh.size(mesh.mesh_dim_names.index("dp_shard"))
+    gpu = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else dims.device.type
+    hw = lookup(gpu)
     use, why = copy_engine_decision(setting, copy_engine_refusal(dims), cfg.float8.enable, shard,
-                                    int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)), gpu,
+                                    hw.link_gbps if hw else None)
     if setting == "auto" and dims.is_main:
         logging.getLogger("titanlite").info(
             f"parallelism.fsdp_copy_engine_all_gather=auto: {why}"
