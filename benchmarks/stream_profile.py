@@ -92,7 +92,7 @@ def analyse(events: list[dict], steps: float) -> dict:
         cats[category(e["name"])] += e["dur"]
     idle = idle_comm = overlap = 0.0
     end, before = t0, comp[0]
-    gaps = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])  # (kernel before, after) -> us, n, beside
+    gaps = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])  # (previous kernel, next) -> us, n, beside
     others_events = [e for s, es in by_stream.items() if s != cs for e in es]
     for e in comp:
         s, f = e["ts"], e["ts"] + e["dur"]
@@ -126,7 +126,7 @@ def analyse(events: list[dict], steps: float) -> dict:
             "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others,
             # the idle gaps longer than GAP_FLOOR_US, by the kernels either side, longest first: ms and count per
             # step, and what the other streams ran meanwhile (ms per step by category)
-            "gaps": [{"after": k[0], "before": k[1], "ms": us / ms, "per_step": n / steps,
+            "gaps": [{"prev_kernel": k[0], "next_kernel": k[1], "ms": us / ms, "per_step": n / steps,
                       "beside": {c: v / ms for c, v in b.most_common()}}
                      for k, (us, n, b) in sorted(gaps.items(), key=lambda kv: -kv[1][0])]}
 
@@ -141,7 +141,7 @@ def report(r: dict, title: str) -> str:
     lines += [f"   stream {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for s, c in r["other_streams"].items()]
     for g in r["gaps"][:GAPS_SHOWN]:
         beside = ", ".join(f"{k} {v:.2f}" for k, v in g["beside"].items()) or "nothing"
-        lines.append(f"   idle {g['ms']:.2f} ms ({g['per_step']:.1f} a step) after {g['after']} before {g['before']}; "
+        lines.append(f"   idle {g['ms']:.2f} ms ({g['per_step']:.1f} a step) after {g['prev_kernel']} before {g['next_kernel']}; "
                      f"beside it: {beside}")
     return "\n".join(lines)
 

@@ -161,24 +161,28 @@ def test_healthy_names_where_the_efficiency_goes(tmp_path):
 
 
 def test_fsdp_contention_remedy_follows_the_copy_engine_setting(tmp_path):
-    """fsdp losing compute beside its collectives: where the run gathered on SM kernels (the option off)
-    the remedy names the copy-engine gathers; where it ran auto (the default) it says they are taken
-    already and names the bf16 reduce-scatter alone."""
+    """fsdp losing compute beside its collectives: where the run gathered on SM kernels (the option off, or
+    a log that does not name it) the remedy names the copy-engine gathers; where it asked for them (`on`,
+    or True in an older log) it says they ran; under `auto` it points at the start-up log's choice."""
     ph = {"data": 1.0, "compute": 800.0, "comm": 0.0, "optimizer": 100.0}
     a = make_log(tmp_path / "a.json", 1, 901.0, phases=ph)
     checks = {}
-    for setting in ("off", "auto"):
+    for setting in ("off", None, "on", True, "auto"):
         path = tmp_path / f"fsdp_{setting}.json"
         make_log(path, 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
         log = json.loads(path.read_text())
-        log["startup_info"]["config"].update({"data_parallel": "fsdp",
-                                              "parallelism.fsdp_copy_engine_all_gather": setting})
+        log["startup_info"]["config"]["data_parallel"] = "fsdp"
+        if setting is not None:
+            log["startup_info"]["config"]["parallelism.fsdp_copy_engine_all_gather"] = setting
         path.write_text(json.dumps(log))
         (f,) = report(tmp_path, a, str(path))["findings"]
         assert f["evidence"]["largest_loss"]["cause"] == "overlap_contention", f["title"]
         checks[setting] = f["next_check"]
-    assert "--parallelism.fsdp_copy_engine_all_gather auto moves" in checks["off"]
-    assert "already run on the copy engines" in checks["auto"] and "auto moves" not in checks["auto"]
+    for setting in ("off", None):
+        assert "--parallelism.fsdp_copy_engine_all_gather auto moves" in checks[setting]
+    for setting in ("on", True):
+        assert "already ran on the copy engines" in checks[setting] and "auto moves" not in checks[setting]
+    assert "start-up log says whether it did" in checks["auto"] and "auto moves" not in checks["auto"]
     assert all("--parallelism.fsdp_reduce_dtype bfloat16" in c for c in checks.values())
 
 

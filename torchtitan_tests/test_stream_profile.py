@@ -15,7 +15,6 @@ def kernel(name, ts, dur, stream):
 
 
 def test_idle_exposed_communication_and_overlap(monkeypatch):
-    monkeypatch.setattr(stream_profile, "GAP_FLOOR_US", 1)  # this trace's gaps are microseconds long
     # compute stream 7: GEMM 0-10 us, idle 10-15, GEMM 15-20, Triton 20-22 (idle 0 there), idle 22-30, GEMM 30-31;
     # NCCL on stream 20 runs 8-14 and 25-26; a copy-engine memcpy on stream 24 runs 12-16.
     events = [kernel("nvjet_sm90_gemm", 0, 10, 7), kernel("nvjet_sm90_gemm", 15, 5, 7),
@@ -34,12 +33,17 @@ def test_idle_exposed_communication_and_overlap(monkeypatch):
     assert r["compute_overlapping_comm"] == pytest.approx(2 + 1)  # the first GEMM's 8-10, the second's 15-16
     assert r["other_streams"][24] == {"memcpy": pytest.approx(4)}
     assert "idle 13.0 (while communication runs: 6.0)" in stream_profile.report(r, "t")
-    # the idle stretches, longest first, each by its kernels either side and what ran beside it
-    (late, early) = r["gaps"]
-    assert (late["after"], late["before"]) == ("triton:triton_poi_fused_add", "gemm:nvjet_sm90_gemm")
+    # the idle stretches, longest first, each by its kernels either side and what ran beside it; with the
+    # floor at 6 us (this trace's gaps are microseconds long) the 5-us one is left out
+    monkeypatch.setattr(stream_profile, "GAP_FLOOR_US", 1)
+    (late, early) = stream_profile.analyse(events, steps=0.001)["gaps"]
+    monkeypatch.setattr(stream_profile, "GAP_FLOOR_US", 6)
+    assert [g["ms"] for g in stream_profile.analyse(events, steps=0.001)["gaps"]] == [pytest.approx(8)]
+    assert (late["prev_kernel"], late["next_kernel"]) == ("triton:triton_poi_fused_add", "gemm:nvjet_sm90_gemm")
     assert late["ms"] == pytest.approx(8) and late["per_step"] * 0.001 == pytest.approx(1)  # once in the trace
     assert late["beside"] == {"nccl": pytest.approx(1)}
     assert early["ms"] == pytest.approx(5) and early["beside"] == {"nccl": pytest.approx(4), "memcpy": pytest.approx(3)}
+    r["gaps"] = [late, early]
     assert "idle 8.00 ms (1000.0 a step) after triton:triton_poi_fused_add" in stream_profile.report(r, "t")
 
 

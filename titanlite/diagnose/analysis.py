@@ -827,15 +827,18 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss 
         # the remedies in the order they measured best (docs/diagnosis.md, "Measured remedies")
         if traits.shards_params:
             fix = "--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes"
-            if cfg_value(run, "parallelism.fsdp_copy_engine_all_gather") in ("auto", "on", True):
-                fix += (" (the parameter all-gathers already run on the copy engines where one host holds every "
-                        "gather group: parallelism.fsdp_copy_engine_all_gather, auto by default)")
+            gathers = cfg_value(run, "parallelism.fsdp_copy_engine_all_gather")
+            if gathers in ("on", True):
+                fix += " (the parameter all-gathers already ran on the copy engines)"
+            elif gathers == "auto":
+                fix += (" (parallelism.fsdp_copy_engine_all_gather=auto puts the parameter all-gathers on the copy "
+                        "engines on one NVSwitch host; the run's start-up log says whether it did, and why not)")
             else:  # off, or a log that does not say
                 fix = ("--parallelism.fsdp_copy_engine_all_gather auto moves the parameter all-gathers onto the copy "
                        "engines, and " + fix)
         else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
-            fix = ("fsdp, whose parameter all-gathers run on the copy engines by default "
-                   "(parallelism.fsdp_copy_engine_all_gather), keeps most of its collectives off the SMs")
+            fix = ("fsdp, whose parameter all-gathers take the copy engines on one NVSwitch host "
+                   "(parallelism.fsdp_copy_engine_all_gather=auto), keeps most of its collectives off the SMs")
             if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16":
                 fix = ("--parallelism.ddp_reduce_dtype bfloat16 halves the all-reduced bytes (the gradients are "
                        "summed over the ranks in bf16); beyond that, " + fix)

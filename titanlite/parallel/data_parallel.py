@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 
 import torch
 import torch.nn as nn
 
 from titanlite.errors import ConfigError
-from titanlite.parallel.policy import computes_bf16, hsdp_shape
+from titanlite.parallel.policy import computes_bf16, hsdp_shape, ranks_per_host
 
 
 def apply_ddp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -154,11 +153,16 @@ def copy_engine_refusal(dims) -> str | None:
         symm_mem = None
     if symm_mem is None or not hasattr(symm_mem, "get_mem_pool") or not hasattr(FSDPModule, "set_custom_all_gather"):
         return f"needs NCCL symmetric memory and FSDP's custom all-gather, which torch {torch.__version__} lacks"
-    nccl = torch.cuda.nccl.version()
-    if nccl < COPY_ENGINE_NCCL:
-        return (f"needs NCCL {'.'.join(map(str, COPY_ENGINE_NCCL))} or newer for copy-engine collectives; this torch "
-                f"runs {'.'.join(map(str, nccl))}")
-    return None
+    return nccl_refusal(torch.cuda.nccl.version())
+
+
+def nccl_refusal(version: tuple) -> str | None:
+    """Why NCCL `version` (torch.cuda.nccl.version(): major, minor, patch[, suffix]) has no copy-engine
+    collectives, or None."""
+    if tuple(version[:2]) >= COPY_ENGINE_NCCL:
+        return None
+    return (f"needs NCCL {'.'.join(map(str, COPY_ENGINE_NCCL))} or newer for copy-engine collectives; this torch "
+            f"runs {'.'.join(map(str, version))}")
 
 
 # auto gathers on the copy engines only over NVSwitch fabrics this fast per GPU and direction (NVLink 4 and 5:
@@ -166,11 +170,11 @@ def copy_engine_refusal(dims) -> str | None:
 COPY_ENGINE_MIN_LINK_GBPS = 400.0
 
 
-def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int, ranks_per_host: int,
+def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int, ranks_per_host: int | None,
                          gpu: str, link_gbps: float | None) -> tuple[bool, str]:
     """parallelism.fsdp_copy_engine_all_gather: do the gathers run on the copy engines, and why (one phrase).
     `refusal`: copy_engine_refusal's answer; `shard`: ranks in a gather group; `ranks_per_host`: torchrun's
-    LOCAL_WORLD_SIZE; `gpu`, `link_gbps`: the device's name and its link in titanlite.hardware's table
+    LOCAL_WORLD_SIZE (None: unknown); `gpu`, `link_gbps`: the device's name and its link in titanlite.hardware's table
     (None: not in it). `on` raises ConfigError where it cannot; `auto` is on where every gather group is
     inside one host on an NVSwitch fabric (NCCL's copy-engine path runs over NVLink) and float8 is off
     (float8's gathers were never measured there)."""
@@ -182,6 +186,10 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
         return True, "on"
     if refusal:
         return False, refusal.replace("needs", "off: it needs", 1)
+    if shard == 1:
+        return False, "off: a gather group of one rank gathers nothing"
+    if ranks_per_host is None:
+        return False, "off: the launcher does not say how many ranks share a host (torchrun's LOCAL_WORLD_SIZE)"
     if ranks_per_host % shard:
         return False, f"off: a gather group of {shard} ranks spans hosts of {ranks_per_host}"
     if link_gbps is None or link_gbps < COPY_ENGINE_MIN_LINK_GBPS:
@@ -195,18 +203,25 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
 
 def gathers_on_copy_engines(model: nn.Module, cfg, dims, mesh) -> None:
     """Apply parallelism.fsdp_copy_engine_all_gather to the sharded `model` (see copy_engine_decision);
-    `auto` says on the main rank what it chose."""
+    `auto` says on the main rank what it chose. Building the gather groups is collective, so under `auto`
+    the ranks take the copy engines only where every one of them can."""
+    import torch.distributed as dist
+
+    from titanlite.hardware import lookup
+
     setting = cfg.parallelism.fsdp_copy_engine_all_gather
     if setting == "off":
         return
-    from titanlite.hardware import lookup
-
     shard = mesh.size(mesh.mesh_dim_names.index("dp_shard"))
     gpu = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else dims.device.type
     hw = lookup(gpu)
-    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), cfg.float8.enable, shard,
-                                    int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)), gpu,
-                                    hw.link_gbps if hw else None)
+    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), cfg.float8.enable, shard, ranks_per_host(),
+                                    gpu, hw.link_gbps if hw else None)
+    if setting == "auto" and dist.is_initialized():
+        agreed = torch.tensor([int(use)], device=dims.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if use and not agreed.item():
+            use, why = False, "off: another rank cannot take the copy engines"
     if setting == "auto" and dims.is_main:
         logging.getLogger("titanlite").info(
             f"parallelism.fsdp_copy_engine_all_gather=auto: {why}"
@@ -273,10 +288,8 @@ def _symmetric_all_gather(gather_group):
 def apply_fsdp(model: nn.Module, cfg, dims) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(dims.device.type, (dims.world_size,), mesh_dim_names=("dp_shard",))
-    model = _fsdp(model, cfg, dims, mesh, _device_memory(dims))
-    gathers_on_copy_engines(model, cfg, dims, mesh)
-    return model
+    return _sharded(model, cfg, dims, init_device_mesh(dims.device.type, (dims.world_size,),
+                                                       mesh_dim_names=("dp_shard",)))
 
 
 def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
@@ -284,7 +297,13 @@ def apply_hsdp(model: nn.Module, cfg, dims) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = hsdp_shape(cfg, dims.world_size)
-    mesh = init_device_mesh(dims.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    return _sharded(model, cfg, dims, init_device_mesh(dims.device.type, shape,
+                                                       mesh_dim_names=("dp_replicate", "dp_shard")))
+
+
+def _sharded(model: nn.Module, cfg, dims, mesh) -> nn.Module:
+    """The model sharded over `mesh`, its gathers where parallelism.fsdp_copy_engine_all_gather puts them
+    (estimation's fake run calls _fsdp alone: its fake process group has no communicators to build)."""
     model = _fsdp(model, cfg, dims, mesh, _device_memory(dims))
     gathers_on_copy_engines(model, cfg, dims, mesh)
     return model

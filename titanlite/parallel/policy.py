@@ -44,12 +44,18 @@ def bf16_copies(cfg, world: int, device_type: str = "cuda") -> bool:
             and run_mode(cfg, world).bf16_params == "copies")
 
 
+def ranks_per_host() -> int | None:
+    """This host's ranks as torchrun states them (LOCAL_WORLD_SIZE); None when the launcher does not say."""
+    n = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(n) if n else None
+
+
 def hsdp_shape(cfg, world: int) -> tuple[int, int]:
     """(replicate, shard) degrees of the hsdp mesh; their product must be the world size."""
     p = cfg.parallelism
     rep, shard = p.replicate_degree, p.shard_degree
     if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
-        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        shard = ranks_per_host() or world
     if rep == -1:
         rep = max(1, world // shard)
     if shard == -1:
