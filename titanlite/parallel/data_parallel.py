@@ -136,7 +136,8 @@ COPY_ENGINE_NCCL = (2, 28)
 
 
 def copy_engine_refusal(dims) -> str | None:
-    """Why this process cannot gather on the copy engines (parallelism.fsdp_copy_engine_all_gather), or None."""
+    """Why this process cannot gather on the copy engines (parallelism.fsdp_copy_engine_all_gather), or None:
+    a phrase starting "needs", which `on` refuses with and `auto` logs."""
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else None
@@ -185,7 +186,7 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
             raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on {refusal}")
         return True, "on"
     if refusal:
-        return False, refusal.replace("needs", "off: it needs", 1)
+        return False, f"off: it {refusal}"
     if shard == 1:
         return False, "off: a gather group of one rank gathers nothing"
     if ranks_per_host is None:
