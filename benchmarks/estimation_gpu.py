@@ -5,6 +5,7 @@ batch, a kernel profile.
                                                          # and the recommendation's top pick
     python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: each mode at local 4 and 16, Qwen3 fsdp (--gpus 4: on 4)
     python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
+    python benchmarks/estimation_gpu.py --gpus 2 --only fsdp2_b4 --profiled fsdp2_b4   # and their kernel profile
     python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
                                                          # full x LLaMA 1.36B and Qwen3 1.8B, two batches each
 
@@ -316,6 +317,8 @@ def main() -> None:
     ap.add_argument("--no-oom-search", action="store_true")
     ap.add_argument("--no-recommend", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profiled", default="",
+                    help="comma-separated cases to profile (default: PROFILED's cases for --gpus)")
     ap.add_argument("--budget-s", type=float, default=550.0,
                     help="seconds for the whole call: no case starts after them, and waits end 30 s later")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -336,6 +339,11 @@ def main() -> None:
     unknown = [n for n in names if n not in ALL_CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(ALL_CASES)}")
+    asked = [n for n in opts.profiled.split(",") if n]
+    if asked and (opts.no_profile or opts.ac_sweep or set(asked) - set(names)):
+        raise SystemExit(f"--profiled {opts.profiled}: " + (
+            "--no-profile and --ac-sweep profile nothing" if opts.no_profile or opts.ac_sweep else
+            f"{', '.join(n for n in asked if n not in names)} not among the cases run ({', '.join(names)})"))
     if opts.ac_sweep:  # memory across checkpointing modes: nothing else
         opts.no_oom_search = opts.no_recommend = opts.no_profile = True
     if any(ALL_CASES[n][0] > ngpu for n in names):
@@ -355,7 +363,7 @@ def main() -> None:
     pool = futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
     pending = {n: pool.submit(predict, n, *ALL_CASES[n], hw, n == "b8" and opts.gpus == 1) for n in names}
     rec = None if opts.no_recommend or opts.gpus != 1 or opts.only else pool.submit(recommend_pick, hw, opts.out)
-    profiled = [] if opts.no_profile else PROFILED.get(opts.gpus, [])
+    profiled = [] if opts.no_profile else asked or PROFILED.get(opts.gpus, [])
     if opts.gpus == 1:
         # the OOM search (two probes when the prediction is right) and the recommended pick need their share
         tail = (0 if opts.no_oom_search or opts.only else 110) + (0 if rec is None else 70)

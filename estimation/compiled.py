@@ -13,7 +13,8 @@ Inside a graph the tracker counts what Inductor materialises, not every eager in
 outputs of kernels that cannot fuse (matmuls, attention, other library calls), the inputs those
 read, reduction results and the graph's outputs (saved tensors included) take memory. The same
 grouping gives the throughput model the generated kernels' traffic: what they write, and each
-materialised tensor they read, once per pass over it (`_fused_kernels`).
+materialised tensor they read, once per pass over it (`_fused_kernels`), each element at no more than
+bf16's two bytes (`KERNEL_ELEMENT_BYTES`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def materialized(graph: fx.Graph) -> set[fx.Node]:
 @dataclass
 class GraphCost:
     """What a compiled graph's fused kernels move, beside the library calls the tracker counts."""
-    kernel_bytes: float = 0.0  # bytes read + written by the generated (fused) kernels
+    kernel_bytes: float = 0.0  # traffic of the generated (fused) kernels: elements read + written, in _traffic's bytes
     kernels: int = 0           # generated kernels launched
 
 
@@ -108,10 +109,12 @@ def _hint(n) -> int:
 GLOBAL_REDUCTION = 1024  # a reduction to at most this many values (a float8 scale's amax) ends a pass
 
 
-def _nbytes(node: fx.Node) -> int:
+def _nbytes(node: fx.Node, max_element_bytes: int | None = None) -> int:
+    """Bytes of `node`'s tensor(s), each element counted at no more than `max_element_bytes` if given."""
     v = node.meta.get("val")
     vals = v if isinstance(v, (list, tuple)) else [v]
-    return sum(_hint(t.numel()) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+    return sum(_hint(t.numel()) * min(t.element_size(), max_element_bytes or t.element_size())
+               for t in vals if isinstance(t, torch.Tensor))
 
 
 def _reads(node: fx.Node, mat: set[fx.Node]) -> list[fx.Node]:
@@ -128,6 +131,19 @@ def _reads(node: fx.Node, mat: set[fx.Node]) -> list[fx.Node]:
         else:
             stack.extend(a.all_input_nodes)
     return out
+
+
+# Generated kernels compute in fp32 whatever they load, and their time follows the elements they move
+# more than the bytes: on 2 x H100, one GPU's, ddp's and zero1's kernels (an fp32 residual stream) and
+# fsdp's (a bf16 one, from FSDP's bf16 parameters) ran at 2.40-2.64 TB/s counted this way, against
+# 2.41-3.29 TB/s counting bytes (benchmarks/results/2026-11-26_2xh100_estimation-kernels.md). So an
+# element wider than bf16 counts as two bytes; narrower ones (float8) at their width.
+KERNEL_ELEMENT_BYTES = 2
+
+
+def _traffic(node: fx.Node) -> int:
+    """What a generated kernel's read or write of `node` costs, in bytes (KERNEL_ELEMENT_BYTES at most an element)."""
+    return _nbytes(node, KERNEL_ELEMENT_BYTES)
 
 
 def _ends_pass(node: fx.Node) -> bool:
@@ -169,9 +185,9 @@ def _fused_kernels(graph: fx.Graph, mat: set[fx.Node]) -> GraphCost:
         if kind(node) == "extern" or getattr(node.target, "is_view", False):
             continue
         cost.kernels += 1
-        cost.kernel_bytes += _nbytes(node)
+        cost.kernel_bytes += _traffic(node)
         passes.update((a, level[node]) for a in ins)
-    cost.kernel_bytes += sum(_nbytes(a) for a, _ in passes)
+    cost.kernel_bytes += sum(_traffic(a) for a, _ in passes)
     return cost
 
 

@@ -5,7 +5,8 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
                x float8_efficiency
   attention    causal FLOPs / (bf16 peak x the attention kernel's rate)
   elementwise  eager ops' bytes read + written / (HBM x elementwise_efficiency), plus compiled
-               graphs' generated kernels' bytes / (HBM x fused_efficiency)
+               graphs' generated kernels' traffic (each element at no more than two bytes:
+               estimation.compiled.KERNEL_ELEMENT_BYTES) / (HBM x fused_efficiency)
   optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
   gaps         kernels x gap_us, the GPU's idle time between dependent kernels
 and never less than the host's launch time (kernels x launch_us). Collectives cost ring traffic /
@@ -18,7 +19,8 @@ it, which runs longer by the collective's hidden time x a measured rate per kind
 for fsdp and hsdp).
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
-measurements); any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides its entry.
+measurements): a GPU's own fit where it has one, else the entry's value (fitted on an H100) as the same
+fraction of that GPU's peak; any `estimate.*_efficiency` / `estimate.launch_us` set above 0 overrides it.
 """
 
 from __future__ import annotations
@@ -72,23 +74,35 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
     rates, sources = {}, {}
     for name in RATES:
         override = getattr(est, name, 0.0)
-        entry = cal["rates"][name]
-        rates[name] = override if override > 0 else entry["value"]
-        sources[name] = "estimate." + name if override > 0 else _source(entry)
-    att = cal["attention"].get(attention_backend, cal["attention"]["sdpa"])
-    sources["attention_efficiency"] = _source(att)
+        value, source = gpu_rate(cal["rates"][name], hw.key)
+        rates[name] = override if override > 0 else value
+        sources[name] = "estimate." + name if override > 0 else source
+    attention, sources["attention_efficiency"] = gpu_rate(
+        cal["attention"].get(attention_backend, cal["attention"]["sdpa"]), hw.key)
     beside = {}
     for kind, entry in cal.get("beside_collectives", {}).items():
         beside[kind], sources[f"beside_{kind}"] = _beside_rate(entry, hw.key)
     return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=link,
-                       attention_backend=attention_backend, attention_efficiency=att["value"], sources=sources,
+                       attention_backend=attention_backend, attention_efficiency=attention, sources=sources,
                        beside_collectives=beside, **rates)
+
+
+# The GPU whose fits are each entry's own value, which every other GPU without a fit takes.
+REFERENCE_GPU = "h100"
+
+
+def gpu_rate(entry: dict, gpu: str) -> tuple[float, str]:
+    """A rate on `gpu` and its source: the GPU's own fit where the entry holds one under its key
+    (`python -m estimation.calibrate --write` stores them), else the entry's value (REFERENCE_GPU's),
+    which every GPU without its own fit takes as the same fraction of its peak."""
+    own = entry.get(gpu)
+    return (own["value"], _source(own)) if isinstance(own, dict) else (entry["value"], _source(entry))
 
 
 def _beside_rate(entry: dict, gpu: str) -> tuple[float, str]:
     """One kind of collective's beside rate on `gpu`, and its source: the GPU's own fit, else the mean of
-    the GPUs fitted (how much a collective slows the compute beside it differed four- to sevenfold
-    between the 2 x H100 and the 2 x H200 measured)."""
+    the GPUs fitted (how much a collective slows the compute beside it differed several-fold between
+    the 2 x H100 and the 2 x H200 measured)."""
     fits = {k: e for k, e in entry.items() if isinstance(e, dict)}
     if gpu in fits:
         return fits[gpu]["value"], _source(fits[gpu])

@@ -88,7 +88,7 @@ class PhaseWork:
     float8_flops: float = 0.0
     attention_flops: float = 0.0    # causal FLOPs, forward 2*B*H*S^2*D, backward 2.5x that
     memory_bytes: float = 0.0       # bytes read + written by every other eager op
-    fused_bytes: float = 0.0        # bytes read + written by compiled graphs' generated kernels
+    fused_bytes: float = 0.0        # compiled graphs' generated kernels' traffic (estimation.compiled._traffic)
     ops: int = 0                    # kernels launched
     collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
 
@@ -252,7 +252,7 @@ class StepTracker(TorchDispatchMode):
                 self._handed.append((id(st), block))
 
     def add_kernels(self, cost) -> None:
-        """A compiled graph's generated kernels: their bytes and launches, once per run of the graph."""
+        """A compiled graph's generated kernels: their traffic and launches, once per run of the graph."""
         if self.count_work:
             w = self.work[self.phase]
             w.fused_bytes += cost.kernel_bytes

@@ -450,6 +450,25 @@ def test_hidden_collectives_slow_the_compute_beside_them():
     assert predict(work(ring), a, 1, 1000, 1.0, 2)["overlap"]["step_ms"] == pytest.approx(3.0)
 
 
+def test_rates_take_the_gpus_own_fit_else_the_entrys_value():
+    """A kernel rate fitted on one GPU (stored under its key by `estimation.calibrate --write`) is that
+    GPU's; a GPU without its own takes the entry's value; each names the run its rate comes from."""
+    from estimation.hardware import get_hardware
+    from estimation.throughput import assumptions, load_calibration
+
+    cal = load_calibration()
+    cal["rates"]["fused_efficiency"] = {"value": 0.7, "of": "-", "source": "run A", "date": "d",
+                                        "h200": {"value": 0.6, "source": "run B", "date": "e"}}
+    cal["attention"]["sdpa_cudnn"] = {"value": 0.3, "of": "-", "source": "run C", "date": "d",
+                                      "h200": {"value": 0.4, "source": "run D", "date": "e"}}
+    est = _cfg().estimate
+    h100, h200 = (assumptions(est, get_hardware(g), 1, "sdpa_cudnn", cal) for g in ("h100", "h200"))
+    assert (h100.fused_efficiency, h100.sources["fused_efficiency"]) == (0.7, "run A (d)")
+    assert (h200.fused_efficiency, h200.sources["fused_efficiency"]) == (0.6, "run B (e)")
+    assert (h100.attention_efficiency, h200.attention_efficiency) == (0.3, 0.4)
+    assert h200.sources["attention_efficiency"] == "run D (e)"
+
+
 def test_beside_rates_are_per_gpu_with_the_mean_elsewhere():
     """The compute slowed beside hidden collectives is fitted per GPU: a fitted GPU gets its own rate
     and names its run; another GPU gets the mean of the fits of that kind, and says so."""

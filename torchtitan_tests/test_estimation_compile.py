@@ -80,6 +80,31 @@ def _partition_saved_bytes(block, x, rope):
     return total
 
 
+def test_generated_kernels_count_each_element_at_most_two_bytes():
+    """A generated kernel's traffic follows its elements (measured on H100: an fp32 residual stream's
+    kernels take no longer per element than a bf16 one's): a kernel over fp32 costs what the same
+    kernel over bf16 does, and a float8 output its one byte an element."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from estimation.compiled import _fused_kernels, materialized
+
+    n = 1024
+
+    def traffic(fn, x):
+        graph = make_fx(fn, tracing_mode="fake")(x).graph
+        return _fused_kernels(graph, materialized(graph)).kernel_bytes
+
+    def pointwise(x):
+        return torch.relu(x * 2.0 + 1.0)
+
+    def to_float8(x):
+        return (x * 2.0).to(torch.float8_e4m3fn)
+
+    # one kernel: it reads x and writes the result, two bytes an element whether fp32 or bf16
+    assert traffic(pointwise, torch.randn(n)) == traffic(pointwise, torch.randn(n, dtype=torch.bfloat16)) == 2 * n * 2
+    assert traffic(to_float8, torch.randn(n, dtype=torch.bfloat16)) == n * 2 + n * 1
+
+
 def test_compiled_block_keeps_exactly_the_partitioners_saved_tensors():
     """What a compiled block adds to memory across its forward (its output plus what it saves for
     backward) is what Inductor's partitioner returns from the forward graph, byte for byte."""
@@ -301,7 +326,7 @@ def test_a_model_whose_state_cannot_fit_is_refused_before_any_fake_step(tmp_path
     assert "GPUs with fsdp" in p.stderr
 
 
-def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):
+def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path, monkeypatch):
     """estimation.calibrate: rate = predicted work / (profiled kernel time x the GPU's peak)."""
     import json
 
@@ -326,9 +351,37 @@ def test_calibrate_divides_each_terms_work_by_its_kernel_time(tmp_path):
     p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(path)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and "gemm_efficiency" in p.stdout and "(b8)" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "estimation.calibrate", str(tmp_path / "missing.json")], env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.startswith("error: cannot read")
+    # --write: an H100's fits become each entry's value (what GPUs without their own take); another GPU's
+    # are stored as its own, under its key; --only keeps the named rates; a kernel new to the table gets an entry
+    import estimation.calibrate as calibrate_module
+    from estimation.throughput import load_calibration
+
+    from titanlite.hardware import lookup
+
+    table = tmp_path / "calibration.json"
+    table.write_text(json.dumps(load_calibration()))
+    monkeypatch.setattr(calibrate_module, "CALIBRATION", str(table))
+    before = load_calibration(str(table))
+    b200 = lookup("NVIDIA B200")
+    results["device"] = b200.device_name
+    a["attention_backend"] = "a_new_kernel"
+    path.write_text(json.dumps(results))
+    calibrate_module.main([str(path), "--write", "--only", "gemm_efficiency,attention:a_new_kernel"])
+    after = load_calibration(str(table))
+    assert after["rates"]["gemm_efficiency"]["b200"]["value"] == pytest.approx(400e12 / (0.5 * b200.peak_tflops * 1e12),
+                                                                              abs=1e-4)
+    assert after["rates"]["gemm_efficiency"]["value"] == before["rates"]["gemm_efficiency"]["value"]
+    assert "b200" not in after["rates"]["fused_efficiency"]  # not among --only
+    assert after["attention"]["a_new_kernel"]["value"] == pytest.approx(30e12 / (0.1 * b200.peak_tflops * 1e12), abs=1e-4)
+    results["device"] = "NVIDIA H100 80GB HBM3"
+    path.write_text(json.dumps(results))
+    calibrate_module.main([str(path), "--write", "--only", "fused_efficiency"])
+    after = load_calibration(str(table))
+    assert after["rates"]["fused_efficiency"]["value"] == pytest.approx(120e9 / (0.06 * 3.35e12), abs=1e-4)
+    assert "h100" not in after["rates"]["fused_efficiency"] and after["rates"]["fused_efficiency"]["date"] == "2026-11-24"
+    with pytest.raises(SystemExit) as e:
+        calibrate_module.main([str(path), "--only", "float8_efficiency"])  # no float8 GEMMs were profiled
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
