@@ -357,7 +357,8 @@ def format_report(r: dict) -> str:
     lines.append(f"  work: GEMM {w['gemm_flops'] / 1e12:.1f} TFLOP"
                  + (f" + float8 {w['float8_flops'] / 1e12:.1f}" if w["float8_flops"] else "")
                  + f", attention {w['attention_flops'] / 1e12:.1f} TFLOP (causal), element-wise "
-                 f"{w['elementwise_bytes'] / 1e9:.1f} GB + compiled kernels {w['fused_bytes'] / 1e9:.1f} GB, optimizer {w['optimizer_bytes'] / 1e9:.1f} GB, "
+                 f"{w['elementwise_bytes'] / 1e9:.1f} GB + compiled kernels {w['fused_bytes'] / 1e9:.1f} GB, "
+                 f"optimizer {w['optimizer_bytes'] / 1e9:.1f} GB, "
                  f"{w['kernels']:,.0f} kernels, link {w['comm_bytes'] / 1e9:.2f} GB")
     lines.append(f"  rates: GEMM {a['gemm_efficiency']:.2f} of {a['peak_tflops']:g} TFLOP/s; attention "
                  f"{a['attention_backend']} {a['attention_efficiency']:.3f}; element-wise {a['elementwise_efficiency']:.2f} "
