@@ -13,6 +13,7 @@ import pytest
 
 from titanlite.diagnose import Settings, diagnose
 from titanlite.diagnose.runs import load_run
+from titanlite.models import get_model_args
 
 from conftest import ROOT
 
@@ -412,6 +413,27 @@ def test_inferred_accumulation_on_another_pair(tmp_path):
     assert "x what" not in stall["title"]  # no multiple of an all-reduce that was never estimated
     assert rep["confidence"] != "high" and "--model" in rep["settle_with"]
     assert ("4 GPUs", "allreduce_unknown") in causes(rep)
+
+
+def test_the_model_given_sizes_the_all_reduce(tmp_path):
+    """--model on logs that print no parameter count (the earlier trainer's JSON run log): the report
+    never asks for --model, and the all-reduce's estimate is the given model's gradients; given another
+    model than the log's, the estimate follows the model given."""
+    h100 = {"gpu_name": "NVIDIA H100 80GB HBM3"}
+    a = json_log(tmp_path / "one.json", 1, 3, 3, 40_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    b = json_log(tmp_path / "four.json", 4, 3, 3, 24_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    for model in ("llama/1.36B", "llama/8B"):
+        out = tmp_path / model.replace("/", "_")
+        r = run_cli(a, b, "--model", model, "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        rep = json.loads((out / "report.json").read_text())
+        assert rep["verdict"] == "compute_stall"
+        assert "allreduce_unknown" not in [c["cause"] for c in rep["confidence_causes"]]
+        assert "--model" not in rep["settle_with"] and "--model" not in r.stdout
+        assert "pass --model" not in (out / "report.md").read_text()
+        params = get_model_args(*model.split("/")).num_params()
+        ring = 2 * 3 / 4 * params * 4 / (rep["link_gbps_assumed"]["4 GPUs"] * 1e9) * 1000
+        assert rep["findings"][0]["evidence"]["expected_allreduce_ms"] == pytest.approx(ring, rel=1e-3)
 
 
 def test_no_ratio_over_an_all_reduce_of_zero(tmp_path):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction
+from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction, registry_args
 from titanlite.diagnose.runs import PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
@@ -346,9 +346,19 @@ def link_gbps(run: Run, override: float | None) -> float:
     return hw.link_gbps if hw else 450.0  # an unknown GPU: an NVLink-class node
 
 
+def model_params(run: Run) -> int | None:
+    """The run's parameter count: what its log prints (or --model gave), else the registered model it
+    names; None when neither is known."""
+    params = run.model.get("params")
+    if not (isinstance(params, (int, float)) and params > 0):
+        args = registry_args(run.model, run.config)
+        params = args.num_params() if args is not None else None
+    return None if params is None else int(params)
+
+
 def gradient_bytes(run: Run) -> float | None:
     """Bytes of gradients a step reduces (None: the model's size is not known)."""
-    params = run.model.get("params")
+    params = model_params(run)
     if not params:
         return None
     bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))

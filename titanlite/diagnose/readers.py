@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from titanlite.diagnose.reconstruct import registry_args
 from titanlite.metrics.run_log import LoggedRun, RunLogError, from_dict
 
 
@@ -353,13 +354,14 @@ def apply_settings(run: LoggedRun, s: Settings) -> None:
         if run.hardware.get("name") != name:
             run.overrides["hardware"] = (run.hardware.get("name"), name)
         run.hardware.update(name=name, device="cuda")
-    if s.model:
+    if s.model:  # the model given replaces the log's: its name and size (the all-reduce's bytes)
         name, _, flavor = s.model.partition("/")
         old = f"{run.model.get('name')}/{run.model.get('flavor')}" if run.model.get("name") else None
         if old != s.model:
             run.overrides["model"] = (old, s.model)
         run.model.update(name=name, flavor=flavor)
         run.config.update({"model.name": name, "model.flavor": flavor})
+        run.model["params"] = registry_args(run.model, run.config).num_params()
 
 
 def check_shape(run: LoggedRun) -> None:

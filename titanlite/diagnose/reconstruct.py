@@ -234,13 +234,21 @@ def _median(values) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def model_args(log: LoggedRun) -> ModelArgs | None:
-    """The model from its registry name (with the run's vocabulary), else the one registry model whose
-    parameter count the log prints (the earlier trainer prints only N), which the log is then named as."""
-    name, flavor = log.model.get("name"), log.model.get("flavor")
+def registry_args(model: dict, config: dict) -> ModelArgs | None:
+    """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
+    when it names none that is registered."""
+    name, flavor = model.get("name"), model.get("flavor")
     if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
-        vocab = log.config.get("model.vocab_size")
+        vocab = config.get("model.vocab_size")
         return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
+    return None
+
+
+def model_args(log: LoggedRun) -> ModelArgs | None:
+    """The model from its registry name (registry_args), else the one registry model whose parameter
+    count the log prints (the earlier trainer prints only N), which the log is then named as."""
+    if (args := registry_args(log.model, log.config)) is not None:
+        return args
     n = log.model.get("params")
     if isinstance(n, (int, float)) and n > 0:
         hits = [(m, f, a) for m, spec in MODEL_REGISTRY.items() for f, a in spec.flavors.items()
