@@ -222,7 +222,8 @@ def test_reading_and_corrected_figures(tmp_path, fmt, misreports):
     if misreports:
         assert a.verdict == "measurement_inconsistency"
         assert a.findings[0].title.startswith("No scaling loss"), a.findings[0].title
-        assert a.findings[0].next_check.startswith("Fix the logger: ")
+        assert a.findings[0].cause == "misreport"
+        assert a.findings[0].remedies == sorted({m for r in rec["runs"] for m in r["reading"]})
         assert not {"compute_stall", "communication", "straggler"} & {f.kind for f in a.findings}
     else:
         assert a.verdict == "healthy", a.findings[0].title
@@ -291,7 +292,7 @@ def test_console_example_is_no_scaling_loss(tmp_path):
     assert rec["runs"][0]["mfu_dense_pct"] == pytest.approx(100 * 72818 * F_DENSE / (PEAK * 1e12), rel=0.01)
     assert rep["confidence"] == "low" and any("1 steady log entry" in r for r in rep["confidence_reasons"])
     assert not {"compute_stall", "communication", "straggler"} & {f["kind"] for f in rep["findings"]}
-    assert a.findings[0].next_check.startswith("Fix the logger: ") and "dense bf16 peak" in a.findings[0].next_check
+    assert a.findings[0].cause == "misreport" and "peak_4x_dense" in a.findings[0].remedies
 
 
 def run_cli(*args):
