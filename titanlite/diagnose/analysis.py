@@ -27,10 +27,10 @@ part in no stall, communication or straggler finding.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from titanlite.diagnose.advice import ADVICE, advise, device_cause
-from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction, registry_args
+from titanlite.diagnose.reconstruct import HARDWARE_FLAG, MISREPORTS, MODEL_FLAG, Reconstruction, registry_args
 from titanlite.diagnose.runs import PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
@@ -40,7 +40,6 @@ SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 # kinds ranked before any other: nothing else compares like for like, or nothing else is measured yet
 FIRST = {"config_mismatch": 0, "insufficient_data": 1}
 CONFIDENCE = ("high", "medium", "low")
-HARDWARE_FLAG, MODEL_FLAG = "--hardware GPU", "--model NAME/FLAVOR"  # what settles an unknown GPU or model
 
 
 @dataclass
@@ -124,6 +123,7 @@ class Reason:
     level: int   # 1: medium at most, 2: low
     text: str
     flags: tuple[str, ...] = ()
+    logs: tuple[str, ...] = ()  # what a rerun's log would need to show to settle it (ambiguous)
 
 
 def devices(run: Run) -> str:
@@ -629,7 +629,8 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
                               f"peak (pass {' and '.join(f.split()[0] for f in flags)})", flags))
         if rr.ambiguous_with:
             why.append(Reason(rr.label, "ambiguous", 1, f"{rr.label}: another reading fits its log as well "
-                                                        f"({'; '.join(rr.ambiguous_with)})", flags))
+                                                        f"({'; '.join(rr.ambiguous_with)})",
+                              tuple(rec.settle_flags), tuple(rec.settle_logs)))
     top = findings[0].kind if findings else ""
     if top in ("compute_stall", "communication") and len(runs) > 1:
         for r in runs:
@@ -649,6 +650,13 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
 def settle_flags(reasons: list[Reason]) -> str:
     """The flags that would let the checks behind a lowered confidence run, once each."""
     return " ".join(dict.fromkeys(f for r in reasons for f in r.flags))
+
+
+def settle_text(flags: str, logs: list[str]) -> str:
+    """'rerun diagnose with FLAGS, or give logs that show X and Y': what would settle the checks."""
+    parts = ([f"rerun diagnose with {flags}"] if flags else []) + \
+        ([f"give logs that show {' and '.join(logs)}"] if logs else [])
+    return ", or ".join(parts)
 
 
 def trusted(r: Run, rec: Reconstruction | None) -> bool:
@@ -672,10 +680,17 @@ class Analysis:
     reconstruction: Reconstruction | None = None
     confidence: str = "high"
     reasons: list[Reason] = field(default_factory=list)
+    others: list["OtherReading"] = field(default_factory=list)  # the other readings that fit the logs as well
 
     @property
     def verdict(self) -> str:
+        """The top finding under the chosen reading of the logs."""
         return self.findings[0].kind
+
+    @property
+    def verdicts(self) -> list[str]:
+        """The verdict under each reading that fits the logs as well, the chosen reading's first, once each."""
+        return list(dict.fromkeys([self.verdict] + [o.verdict for o in self.others]))
 
     @property
     def confidence_reasons(self) -> list[str]:
@@ -686,9 +701,34 @@ class Analysis:
         """Flags that would let the checks behind a lowered confidence run ('' when none would)."""
         return settle_flags(self.reasons)
 
+    @property
+    def settle_logs(self) -> list[str]:
+        """What logs would need to show to tell equally fitting readings apart."""
+        return list(dict.fromkeys(x for r in self.reasons for x in r.logs))
+
+    @property
+    def settle(self) -> str:
+        return settle_text(self.settle_with, self.settle_logs)
+
     def headline(self) -> str:
-        """The report's first line: the verdict and its confidence, nothing else that reads like either."""
+        """The report's first line: the verdict and its confidence, nothing else that reads like either.
+        Where readings that fit the logs as well lead to other verdicts, it names each."""
+        if len(self.verdicts) > 1:
+            n = len(self.others) + 1
+            return (f"Verdict: {' or '.join(self.verdicts)} ({'two' if n == 2 else n} readings fit the logs equally), "
+                    f"confidence {self.confidence}")
         return f"Verdict: {self.verdict}, confidence {self.confidence}"
+
+
+@dataclass
+class OtherReading:
+    """Another reading that fits the logs as well as the chosen one, and what the logs say under it."""
+    verdict: str
+    summary: str                 # its top finding's title
+    reconstruction: Reconstruction
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "summary": self.summary, **self.reconstruction.to_json()}
 
 
 def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None,
@@ -725,7 +765,18 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
     if not findings:
         findings = [healthy(runs, scaling, effs, gbps, mode)]
     level, why = confidence(runs, rec, th, findings)
-    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level, reasons=why)
+    others = [other_reading(runs, alt, th, link_override) for alt in rec.alternatives] if rec else []
+    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level, reasons=why,
+                    others=others)
+
+
+def other_reading(runs: list[Run], alt: Reconstruction, th: Thresholds, link_override: float | None) -> OtherReading:
+    """The analysis of the runs under another reading of their logs: the work per step it says each ran."""
+    by_label = {rr.label: rr for rr in alt.runs}
+    alt_runs = [replace(r, accum=by_label[r.label].micro_steps_per_step,
+                        step_ms_derived=None if r.has_step_time else by_label[r.label].step_ms) for r in runs]
+    a = analyze(alt_runs, th, link_override, alt)
+    return OtherReading(a.verdict, a.findings[0].title, alt)
 
 
 def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -> Finding:

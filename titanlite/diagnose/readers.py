@@ -340,25 +340,24 @@ def read(path: str | Path, settings: Settings | None = None) -> LoggedRun:
 
 
 def apply_settings(run: LoggedRun, s: Settings) -> None:
+    """Every value a flag gives is recorded in `overrides` (what the log said, or None), even where the
+    log says the same: a value from the command line is a fact the reconstruction does not question."""
     for name, (key, _) in SETTING_KEYS.items():
         value = getattr(s, name)
         if value is not None:
-            if run.config.get(key) != value:
-                run.overrides[key] = (run.config.get(key), value)
+            run.overrides[key] = (run.config.get(key), value)
             run.config[key] = value
     if s.hardware:
         from titanlite.hardware import by_key
 
         hw = by_key(s.hardware)
         name = hw.device_name if hw else s.hardware
-        if run.hardware.get("name") != name:
-            run.overrides["hardware"] = (run.hardware.get("name"), name)
+        run.overrides["hardware"] = (run.hardware.get("name"), name)
         run.hardware.update(name=name, device="cuda")
     if s.model:  # the model given replaces the log's: its name and size (the all-reduce's bytes)
         name, _, flavor = s.model.partition("/")
         old = f"{run.model.get('name')}/{run.model.get('flavor')}" if run.model.get("name") else None
-        if old != s.model:
-            run.overrides["model"] = (old, s.model)
+        run.overrides["model"] = (old, s.model)
         run.model.update(name=name, flavor=flavor)
         run.config.update({"model.name": name, "model.flavor": flavor})
         run.model["params"] = registry_args(run.model, run.config).num_params()

@@ -81,11 +81,18 @@ def markdown(a: Analysis) -> str:
     top = a.findings[0]
     effs = {row["run"]: row for row in a.scaling["runs"]}
     md = [f"# {a.headline()}", ""]
-    if a.settle_with:
-        md += [f"**To settle it:** rerun diagnose with {a.settle_with}.", ""]
+    if a.settle:
+        md += [f"**To settle it:** {a.settle}.", ""]
+    if len(a.verdicts) > 1:
+        md += ["Readings that fit the logs equally, each with its verdict (the reconstruction below gives them): "
+               + " ".join(f"({i}) `{v}`: {t}" for i, (v, t) in
+                          enumerate([(a.verdict, top.title)] + [(o.verdict, o.summary) for o in a.others], 1)), ""]
     md += [top.title, "", f"**Next check:** {top.next_check}", "",
            f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
            ""]
+    if a.reconstruction and a.reconstruction.ranking:
+        md += ["**Why this reading:** " + " ".join(r.text[0].upper() + r.text[1:] + "." for r in a.reconstruction.ranking),
+               ""]
     if len(a.findings) > 1:
         md += ["Also found: " + "; ".join(f"`{f.kind}` (severity {f.severity}{', ' + f.run if f.run else ''})"
                                           for f in a.findings[1:]) + ".", ""]
@@ -157,12 +164,16 @@ def to_json(a: Analysis) -> dict:
         "confidence_reasons": a.confidence_reasons,
         "confidence_causes": [{"run": r.run, "cause": r.cause, "flags": list(r.flags)} for r in a.reasons],
         "settle_with": a.settle_with,
+        "settle_logs": a.settle_logs,
+        "verdicts": a.verdicts,
+        "other_readings": [o.to_json() for o in a.others],
         "findings": [f.to_json() for f in a.findings],
         "reconstruction": None if a.reconstruction is None else {
             "runs": [rr.to_json() for rr in a.reconstruction.runs],
             "scaling_efficiency": largest_efficiency(a),
             "scaling_mode": a.scaling["mode"],
-            "logger_fixes": a.reconstruction.fixes},
+            "logger_fixes": a.reconstruction.fixes,
+            "ranking": [r.to_json() for r in a.reconstruction.ranking]},
         "scaling_efficiency": a.scaling,
         "like_for_like": [asdict(row) for row in a.like_for_like],
         "self_consistency": {label: [asdict(c) for c in checks] for label, checks in a.consistency.items()},
