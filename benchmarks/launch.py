@@ -227,21 +227,21 @@ def steady(entries: list[dict], skip: int) -> list[dict]:
 
 
 def figures(entries: list[dict], skip: int) -> dict:
-    """Steady means of tokens/s per GPU, MFU and step time; peaks of allocated and reserved memory
-    over the whole run (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    """Tokens/s per GPU, MFU and step time by the run log's throughput rule (the steady entries' mean:
+    titanlite.metrics.run_log.throughput); peaks of allocated and reserved memory over the whole run
+    (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    from titanlite.metrics.run_log import throughput
+
     if not entries:
         return {}
     s = steady(entries, skip)
-
-    def mean(key):
-        vals = [e[key] for e in s if e.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
+    rates = throughput(s)
 
     def peak(key):
         vals = [e[key] for e in entries if e.get(key) is not None]
         return max(vals) if vals else None
 
-    return {"tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu"), "ms": mean("time_ms"),
+    return {"tps_gpu": rates["tokens_per_sec_per_gpu"], "mfu": rates["mfu_pct"], "ms": rates["step_ms"],
             "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s)}
 
 

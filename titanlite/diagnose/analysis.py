@@ -167,7 +167,8 @@ def cfg_value(run: Run, key: str):
 MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_precision_param", "precision"),
               ("compile", "compile"), ("use_cuda_graphs", "CUDA graphs"), ("attention_backend", "attention"),
               ("float8.enable", "float8"), ("activation_checkpoint.mode", "activation checkpointing"),
-              ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("hardware", "hardware")]
+              ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("training.dataset_path", "dataset path"),
+              ("hardware", "hardware")]
 BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "accumulation steps"),
               ("global_batch_size", "global batch")]
 # the host side (run log startup_info.hardware.host). On CPU the threads are the compute, so they must

@@ -101,13 +101,17 @@ def markdown(a: Analysis) -> str:
     rows = []
     for r in a.runs:
         e = effs[r.label]
-        rows.append([r.label, f"`{Path(r.path).name}`", f"{r.local_batch} x {r.accum} x {r.seq_len}",
+        rows.append([r.label, r.ran, f"`{Path(r.path).name}`", f"{r.local_batch} x {r.accum} x {r.seq_len}",
                      num(r.tokens_per_step), num(r.step_ms), num(r.tokens_per_sec, 0), num(r.tokens_per_sec_logged, 0),
                      num(r.per_gpu, 0), "n/a" if e["efficiency"] is None else f"{e['efficiency']:.0%}",
                      num(r.mfu_logged, 2), num(r.memory_gb, 2)])
-    md += table(["run", "log", "local batch x accum x seq", "tokens/step", "step time (ms)",
-                 "tokens/s (from step time)", "tokens/s (logged)", "tokens/s per GPU", "scaling efficiency",
-                 "MFU logged (%)", "peak memory (GB)"], rows)
+    md += table(["run", "ran", "log", "local batch x accum x seq", "tokens/step", "step time (ms, median)",
+                 "tokens/s (tokens/step / median step time)", "tokens/s (logged, steady mean)",
+                 "tokens/s per GPU (from step time)", "scaling efficiency", "MFU logged (%, steady mean)",
+                 "peak memory (GB)"], rows)
+    md += ["Two rules, each named in its column: the analysis rests on the median step time (a stray slow entry "
+           "does not move it); the logged figures are the steady entries' mean, the run's throughput as "
+           "`titanlite.tools.compare` and the Trainer's summary report it.", ""]
     md += ["## Findings, ranked", ""]
     for i, f in enumerate(a.findings, 1):
         md += [f"### {i}. `{f.kind}`, severity {f.severity}", "", f.title, "", "- Evidence:"]
@@ -180,7 +184,7 @@ def to_json(a: Analysis) -> dict:
         "warmup_rule": WARMUP_RULE,
         "notes": a.notes,
         "link_gbps_assumed": a.gbps,
-        "runs": [{"run": r.label, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
+        "runs": [{"run": r.label, "ran": r.ran, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
                   "accumulation": r.accum, "global_batch": r.global_batch, "seq_len": r.seq_len,
                   "micro_steps_per_step": r.accum, "step_ms": r.step_ms, "tokens_per_sec": r.tokens_per_sec,
                   "tokens_per_sec_logged": r.tokens_per_sec_logged, "mfu_logged": r.mfu_logged,
