@@ -161,7 +161,7 @@ def cfg_value(run: Run, key: str):
         return None if run.world == 1 else c.get("data_parallel")
     if key in dict(HOST_KEYS):
         return (run.hardware.get("host") or {}).get(key)
-    return c.get(key)
+    return None if c.get(key) == "" else c.get(key)  # an empty string is a setting left unset
 
 
 MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_precision_param", "precision"),

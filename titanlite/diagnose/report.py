@@ -134,8 +134,8 @@ def markdown(a: Analysis) -> str:
     s = a.scaling
     md += ["## Scaling efficiency", "", f"Mode: **{s['mode'].replace('_', ' ')}** (baseline {s['baseline']}). "
            f"{s['definition']}. Basis: {s['basis']}.", ""]
-    md += table(["run", "GPUs", "tokens/step", "step time (ms)", "tokens/s", "tokens/s per GPU", "efficiency",
-                 "efficiency from logged tokens/s"],
+    md += table(["run", "GPUs", "tokens/step", "step time (ms, median)", "tokens/s (from step time)",
+                 "tokens/s per GPU (from step time)", "efficiency", "efficiency from logged tokens/s (steady mean)"],
                 [[row["run"], row["world_size"], num(row["tokens_per_step"]), num(row["step_ms"]),
                   num(row["tokens_per_sec"], 0), num(row["tokens_per_sec_per_gpu"], 0),
                   "n/a" if row["efficiency"] is None else f"{row['efficiency']:.1%}",
