@@ -18,8 +18,8 @@ memory_*_gb, and warmup (an entry its logger marks as warm-up). Whether a logger
 its format documents is not taken on trust here: titanlite.diagnose.reconstruct checks it.
 
 `Settings` (the command line's --gpus, --local-batch, --seq-len, --accum, --hardware, --model)
-supply what a log lacks and replace what it says; each replacement is recorded in the run's
-`overrides` so the report can mark it.
+supply what a log lacks and replace what it says; each value given is recorded in the run's
+`overrides` so the report can mark it and the reconstruction takes it as fact.
 """
 
 from __future__ import annotations
