@@ -9,8 +9,10 @@ Every benchmark script starts its runs here, so that each run
   run_train.sh's allocator default and flash-attn 4's kernel cache on disk, each only where the
   environment does not set it already. The product (run_train.sh, titanlite.train) sets none of the
   multicast variables;
-- keeps its whole output in WORK/<name>.log and its run folder in WORK/<name>/. Scripts write only
-  a table and a JSON of results to --out ($OUT on the GPU machine, which returns at most 8 files).
+- keeps its whole output in WORK/<name>.log and its run folder in WORK/<name>/ (a torchtitan run:
+  what its run.sh prints, step and error lines, in WORK/<name>.log, and each rank's whole output in
+  WORK/<name>.ranks/). Scripts write only a table and a JSON of results to --out ($OUT on the GPU
+  machine, which returns at most 8 files).
 
 The peer is torchtitan, the PyTorch reference trainer, run from its published wheels: 0.2.2 (the
 last TOML-driven release) through .bench/torchtitan_anchor/run.sh and 0.3.0 (Python config
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,21 +227,21 @@ def steady(entries: list[dict], skip: int) -> list[dict]:
 
 
 def figures(entries: list[dict], skip: int) -> dict:
-    """Steady means of tokens/s per GPU, MFU and step time; peaks of allocated and reserved memory
-    over the whole run (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    """Tokens/s per GPU, MFU and step time by the run log's throughput rule (the steady entries' mean:
+    titanlite.metrics.run_log.throughput); peaks of allocated and reserved memory over the whole run
+    (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    from titanlite.metrics.run_log import throughput
+
     if not entries:
         return {}
     s = steady(entries, skip)
-
-    def mean(key):
-        vals = [e[key] for e in s if e.get(key) is not None]
-        return sum(vals) / len(vals) if vals else None
+    rates = throughput(s)
 
     def peak(key):
         vals = [e[key] for e in entries if e.get(key) is not None]
         return max(vals) if vals else None
 
-    return {"tps_gpu": mean("tokens_per_sec_per_gpu"), "mfu": mean("mfu"), "ms": mean("time_ms"),
+    return {"tps_gpu": rates["tokens_per_sec_per_gpu"], "mfu": rates["mfu_pct"], "ms": rates["step_ms"],
             "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s)}
 
 
@@ -250,35 +253,30 @@ def step_losses(entries: list[dict]) -> dict[int, float]:
 
 
 # ------------------------------------------------------------------------------------------ torchtitan
-# torchtitan's console line (0.2.2 and 0.3.0 print the same), e.g.
-#   step: 25  loss:  2.75503  grad_norm:  0.3321  memory: 28.80GiB(30.31%)  tps: 53,409  tflops: 356.06  mfu: 45.12%
-# "memory" is the caching allocator's max reserved since the previous line.
-PEER_STEP = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*([\d.]+)GiB"
-                       r".*?tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+%|N/A)")
-
-
 def parse_peer(text: str) -> list[dict]:
     """torchtitan's step lines as run-log entries (iter, loss, grad_norm, memory_reserved_peak_gb,
-    tokens_per_sec_per_gpu, tflops, mfu), one per step, in order."""
-    out = {}
-    for m in PEER_STEP.finditer(_strip_ansi(text)):
-        mfu = None if m[7] == "N/A" else float(m[7].rstrip("%"))
-        out[int(m[1])] = {"iter": int(m[1]), "loss": float(m[2]), "grad_norm": float(m[3]),
-                          "memory_reserved_peak_gb": float(m[4]), "tokens_per_sec_per_gpu": float(m[5].replace(",", "")),
-                          "tflops": float(m[6].replace(",", "")), "mfu": mfu}
-    return [out[k] for k in sorted(out)]
+    tokens_per_sec_per_gpu, tflops_per_gpu, mfu), one per step, in order: the reader diagnose uses
+    (titanlite.diagnose.readers.torchtitan_steps, where the line's format is written down)."""
+    from titanlite.diagnose.readers import torchtitan_steps
+
+    return torchtitan_steps(text)
 
 
 def peer(version: str, ngpus: int = 1, overrides: list[str] | None = None, timeout: int = 600, work: Path = WORK,
          name: str = "") -> Result:
-    """One torchtitan run through its run.sh (which installs the carried wheels); its step lines parsed."""
+    """One torchtitan run through its run.sh (which installs the carried wheels); its step lines parsed.
+    run.sh passes on only its step and error lines; each rank's whole output, as torchtitan printed it
+    (colours included), is kept by torchrun in WORK/<name>.ranks/ (peer_ranks_output reads it)."""
     script = ROOT / PEERS[version]
     name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", f"torchtitan_{version}_{ngpus}gpu_{'_'.join(overrides or [])}")[:120]
     cmd = ["bash", str(script), str(ngpus), *(overrides or [])]
     if not script.exists():
         return Result(name, ngpus, cmd, 2, error=f"torchtitan {version} is not here: carry .bench (cp -r "
                                                  f"../shared/bench .bench) and the wheels (wheels.sh --peer)")
-    rc, text, wall = execute(name, cmd, timeout, work)
+    ranks = work / f"{name}.ranks"
+    shutil.rmtree(ranks, ignore_errors=True)
+    # torchrun takes each option from PET_<OPTION> when the command line does not give it: its --log-dir
+    rc, text, wall = execute(name, cmd, timeout, work, env={"PET_LOG_DIR": str(ranks)})
     entries = parse_peer(text)
     # run.sh ends in a pipe (grep | tail) and exits 0 whatever torchtitan did: its output decides
     exc = last_exception(text)
@@ -287,6 +285,13 @@ def peer(version: str, ngpus: int = 1, overrides: list[str] | None = None, timeo
     res = Result(name, ngpus, cmd, rc, wall, error, entries, output=text)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {res.error or 'ok'} in {wall:.0f}s", flush=True)
     return res
+
+
+def peer_ranks_output(name: str, rank: int = 0, work: Path = WORK) -> Path | None:
+    """The file torchrun wrote rank `rank`'s stdout to in peer run `name` (its last attempt), or None.
+    torchrun's layout: LOG_DIR/<run id>_<random>/attempt_<n>/<local rank>/stdout.log."""
+    found = sorted((work / f"{name}.ranks").glob(f"*/attempt_*/{rank}/stdout.log"), key=os.path.getmtime)
+    return found[-1] if found else None
 
 
 # ---------------------------------------------------------------------------------------------- results

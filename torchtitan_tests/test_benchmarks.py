@@ -73,11 +73,11 @@ def test_torchtitan_step_lines_become_run_log_entries():
     es = launch.parse_peer(PEER_022)
     assert [e["iter"] for e in es] == [1, 20, 25, 30]  # the validation line is not a training step
     assert es[0] == {"iter": 1, "loss": 10.87312, "grad_norm": 11.2345, "memory_reserved_peak_gb": 22.10,
-                     "tokens_per_sec_per_gpu": 1203.0, "tflops": 8.01, "mfu": 0.81}
+                     "tokens_per_sec_per_gpu": 1203.0, "tflops_per_gpu": 8.01, "mfu": 0.81}
     f = launch.figures(es, 15)
     assert f["tps_gpu"] == pytest.approx((53_311 + 53_509 + 53_407) / 3) and f["reserved"] == 28.80
     assert f["mem"] is None  # torchtitan reports reserved memory only
-    assert launch.parse_peer(PEER_030_NA)[0]["mfu"] is None
+    assert "mfu" not in launch.parse_peer(PEER_030_NA)[0]  # 0.3.0's "N/A" under quantized training
 
 
 @pytest.mark.parametrize("text,rc,why", [
@@ -104,6 +104,57 @@ def test_peer_run_reports_why_it_failed_though_run_sh_exits_0(tmp_path, monkeypa
     assert ok.error is None and len(ok.entries) == 4
     assert launch.peer("0.3.0", work=tmp_path).error == "no step lines in torchtitan's output"
     assert "carry .bench" in launch.peer("0.2.2", work=tmp_path).error  # its run.sh is not there
+
+
+# A stand-in for torchtitan's launch: torchrun as run.sh starts it (rank-prefixed console, its output through
+# run.sh's grep and sed), the program printing torchtitan's start-up and step lines in colour.
+FAKE_TORCHTITAN = r"""
+print("[titan] 2026-11-26 10:00:02,223 - root - INFO - Building device mesh with parallelism: pp=1, "
+      "dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1, etp=1")
+print("[titan] 2026-11-26 10:00:03,873 - root - INFO - CUDA capacity: NVIDIA H100 80GB HBM3 with 79.19GiB memory")
+print("[titan] 2026-11-26 10:00:04,020 - root - INFO - Trainer is initialized with local batch size 4, global "
+      "batch size 8, gradient accumulation steps 1, sequence length 2048, total steps 10 (warmup 2)")
+for step in (1, 5, 10):
+    print(f"[titan] 2026-11-26 10:00:1{step % 10},000 - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss: 9.00000  "
+          "\x1b[38;2;180;60;0mgrad_norm:  1.0000  \x1b[38;2;54;234;195mmemory: 21.54GiB(27.20%)  \x1b[34mtps: 48,978  "
+          "\x1b[36mtflops: 408.56  \x1b[35mmfu: 41.31%\x1b[39m")
+"""
+FAKE_RUN_SH = """NGPU=$1; shift
+python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU --local-ranks-filter 0 --role rank --tee 3 \\
+  "$(dirname "$0")/fake_torchtitan.py" 2>&1 | grep -E "step:|Error|Traceback|Peak FLOPS" | sed 's/\\x1b\\[[0-9;]*m//g' | tail -12
+"""
+
+
+def test_peer_keeps_each_ranks_whole_output_and_peer_logs_packs_it(tmp_path, monkeypatch):
+    """run.sh passes on step lines only; launch.peer has torchrun keep each rank's whole output
+    (PET_LOG_DIR), and peer_logs.py packs both, named for diagnose's fixtures, the whole one read
+    without flags."""
+    import tarfile
+
+    import peer_logs
+
+    script = tmp_path / launch.PEERS["0.2.2"]
+    script.parent.mkdir(parents=True)
+    script.write_text(FAKE_RUN_SH)
+    (script.parent / "fake_torchtitan.py").write_text(FAKE_TORCHTITAN)
+    monkeypatch.setattr(launch, "ROOT", tmp_path)
+    work = tmp_path / "work"
+    r = launch.peer("0.2.2", 1, ["--training.steps", "10"], timeout=120, work=work)
+    assert r.error is None and [e["iter"] for e in r.entries] == [1, 5, 10], r.output
+    assert "Building device mesh" not in r.output and "[rank0]:" in r.output  # what run.sh passes on
+    assert "\x1b" not in r.output
+    whole = launch.peer_ranks_output(r.name, 0, work).read_text()
+    assert "Building device mesh" in whole and "\x1b[31mstep:" in whole  # torchtitan's own, colours kept
+    assert peer_logs.main(["--out", str(tmp_path / "out"), "--work", str(work)]) == 0
+    with tarfile.open(tmp_path / "out" / "torchtitan_logs.tar.gz") as tar:
+        tar.extractall(tmp_path / "fixtures", filter="data")
+        assert sorted(tar.getnames()) == ["real_0.2.2_1gpu_fsdp.rank0.log", "real_0.2.2_1gpu_fsdp.runsh.log"]
+    from titanlite.diagnose.readers import read
+
+    log = read(tmp_path / "fixtures" / "real_0.2.2_1gpu_fsdp.rank0.log")
+    assert log.config["world_size"] == 2 and log.config["data_parallel"] == "fsdp"  # the stand-in's mesh line
+    assert peer_logs.fixture_stem(launch.peer("0.3.0", 2, compare_peer.PEER_MODES["ddp"](2), work=work).name) \
+        == "real_0.3.0_2gpu_ddp"  # (no 0.3.0 here: the name is all this checks)
 
 
 def test_bench_env_turns_multicast_off_unless_the_environment_says_otherwise(monkeypatch):

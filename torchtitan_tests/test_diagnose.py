@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from titanlite.diagnose import Settings, diagnose
+from titanlite.diagnose.advice import advise
 from titanlite.diagnose.runs import load_run
+from titanlite.models import get_model_args
 
 from conftest import ROOT
 
@@ -104,7 +106,8 @@ def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
     assert rep["verdict"] == "compute_stall"
     assert "measurement_inconsistency" in kinds(rep)
     stall = rep["findings"][0]
-    assert stall["severity"] == "high" and stall["next_check"]
+    assert stall["severity"] == "high" and stall["cause"] == "gpu"
+    assert stall["next_check"] == advise("compute_stall", "gpu")
     mi = next(f for f in rep["findings"] if f["kind"] == "measurement_inconsistency")
     check = mi["evidence"]["tokens/s = tokens per step / step time"]
     assert check["logged"] == pytest.approx(two, rel=0.02)
@@ -147,14 +150,15 @@ def test_healthy_names_where_the_efficiency_goes(tmp_path):
     assert f["kind"] == "healthy" and (loss["run"], loss["phase"]) == ("2 GPUs", "compute"), f["title"]
     assert loss["cause"] == "overlap_contention" and loss["excess_ms_per_step"] == pytest.approx(80, abs=1)
     assert loss["exposed_comm_ms_per_step"] == pytest.approx(3.0, abs=0.1)
-    assert "benchmarks/stream_profile.py" in f["next_check"] and "fsdp_copy_engine_all_gather" in f["next_check"]
-    assert "--parallelism.ddp_reduce_dtype bfloat16" in f["next_check"]  # ddp without it: bf16 all-reduce first
+    # ddp without a bf16 all-reduce: that first, then fsdp with its gathers on the copy engines
+    assert f["cause"] == "overlap_contention" and f["remedies"] == ["ddp_reduce_bf16", "fsdp_instead"]
+    assert f["next_check"] == advise("healthy", "overlap_contention", f["remedies"])
     b16 = make_log(tmp_path / "b16.json", 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
     log = json.loads((tmp_path / "b16.json").read_text())
     log["startup_info"]["config"]["parallelism.ddp_reduce_dtype"] = "bfloat16"
     (tmp_path / "b16.json").write_text(json.dumps(log))
     (f,) = report(tmp_path, a, b16)["findings"]
-    assert "ddp_reduce_dtype" not in f["next_check"] and "fsdp_copy_engine_all_gather" in f["next_check"]
+    assert f["cause"] == "overlap_contention" and f["remedies"] == ["fsdp_instead"]
     c = make_log(tmp_path / "c.json", 2, 904.0, phases={**ph, "comm": 3.0})
     (f,) = report(tmp_path, a, c)["findings"]
     assert f["kind"] == "healthy" and "largest_loss" not in f["evidence"], f["title"]
@@ -177,13 +181,12 @@ def test_fsdp_contention_remedy_follows_the_copy_engine_setting(tmp_path):
         path.write_text(json.dumps(log))
         (f,) = report(tmp_path, a, str(path))["findings"]
         assert f["evidence"]["largest_loss"]["cause"] == "overlap_contention", f["title"]
-        checks[setting] = f["next_check"]
+        checks[setting] = f["remedies"]
     for setting in ("off", None):
-        assert "--parallelism.fsdp_copy_engine_all_gather auto moves" in checks[setting]
+        assert checks[setting] == ["fsdp_copy_engine_gathers", "fsdp_reduce_bf16"]
     for setting in ("on", True):
-        assert "already ran on the copy engines" in checks[setting] and "auto moves" not in checks[setting]
-    assert "start-up log says whether it did" in checks["auto"] and "auto moves" not in checks["auto"]
-    assert all("--parallelism.fsdp_reduce_dtype bfloat16" in c for c in checks.values())
+        assert checks[setting] == ["fsdp_reduce_bf16", "fsdp_gathers_ran_on_copy_engines"]
+    assert checks["auto"] == ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
 
 
 def test_strong_scaling_efficiency(tmp_path):
@@ -219,7 +222,7 @@ def test_straggler_from_breakdown(tmp_path):
     assert rep["verdict"] == "straggler"
     f = rep["findings"][0]
     assert f["evidence"]["rank"] == 2 and f["evidence"]["phase"] == "compute"
-    assert "-i 2" in f["next_check"]
+    assert f["cause"] == "gpu" and f["next_check"] == advise("straggler", "gpu", rank=2)
     assert "compute_stall" not in kinds(rep)  # the fastest rank computes as fast as the baseline
 
 
@@ -414,6 +417,27 @@ def test_inferred_accumulation_on_another_pair(tmp_path):
     assert ("4 GPUs", "allreduce_unknown") in causes(rep)
 
 
+def test_the_model_given_sizes_the_all_reduce(tmp_path):
+    """--model on logs that print no parameter count (the earlier trainer's JSON run log): the report
+    never asks for --model, and the all-reduce's estimate is the given model's gradients; given another
+    model than the log's, the estimate follows the model given."""
+    h100 = {"gpu_name": "NVIDIA H100 80GB HBM3"}
+    a = json_log(tmp_path / "one.json", 1, 3, 3, 40_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    b = json_log(tmp_path / "four.json", 4, 3, 3, 24_000.0, local=8, seq=4096, mfu_peak=989.0, hardware=h100)
+    for model in ("llama/1.36B", "llama/8B"):
+        out = tmp_path / model.replace("/", "_")
+        r = run_cli(a, b, "--model", model, "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        rep = json.loads((out / "report.json").read_text())
+        assert rep["verdict"] == "compute_stall"
+        assert "allreduce_unknown" not in [c["cause"] for c in rep["confidence_causes"]]
+        assert "--model" not in rep["settle_with"] and "--model" not in r.stdout
+        assert "pass --model" not in (out / "report.md").read_text()
+        params = get_model_args(*model.split("/")).num_params()
+        ring = 2 * 3 / 4 * params * 4 / (rep["link_gbps_assumed"]["4 GPUs"] * 1e9) * 1000
+        assert rep["findings"][0]["evidence"]["expected_allreduce_ms"] == pytest.approx(ring, rel=1e-3)
+
+
 def test_no_ratio_over_an_all_reduce_of_zero(tmp_path):
     """A stall at the same world size's all-reduce (1 -> 2 GPUs of a model with a known size) prints the
     all-reduce's estimate, and the ratio it prints is the excess over it."""
@@ -453,11 +477,11 @@ def test_cpu_pair_with_torchruns_thread_default_is_no_compute_stall(tmp_path):
     assert rep["findings"][0]["evidence"]["threads_per_process"] == [2, 1]
     row = next(r for r in rep["like_for_like"] if r["key"] == "threads_per_process")
     assert row["values"] == [2, 1] and not row["same"]
-    assert "nvidia-smi" not in rep["findings"][0]["next_check"] and "OMP_NUM_THREADS" in rep["findings"][0]["next_check"]
+    assert rep["findings"][0]["cause"] == "cpu"  # the host's advice: threads per process, not nvidia-smi
     # the same threads per process: a real per-process slowdown is a stall, with CPU advice
     c = cpu_log(tmp_path / "c.json", 1, 100.0, threads=1)
     rep = report(tmp_path, c, b)
-    assert rep["verdict"] == "compute_stall" and "nvidia-smi" not in rep["findings"][0]["next_check"]
+    assert rep["verdict"] == "compute_stall" and rep["findings"][0]["cause"] == "cpu"
     # logs without the host facts: the stall cannot rule out fewer threads, so it is not high
     rep = report(tmp_path, cpu_log(tmp_path / "d.json", 1, 100.0, 2, host=False),
                  cpu_log(tmp_path / "e.json", 2, 204.0, 1, host=False))
@@ -485,3 +509,32 @@ def test_first_line_is_the_verdict_with_the_bodys_confidence(tmp_path, case):
     assert verdicts == {rep["verdict"]} and levels == {rep["confidence"]}
     assert rep["confidence"] == {"healthy": "high", "warmup_only": "low", "no_step_time": "medium",
                                  "unknown_gpu": "medium"}[case]
+
+
+def test_advice_table_covers_every_finding_and_fills_its_placeholders(tmp_path):
+    """Every finding kind has advice (for the kinds whose checks depend on what computes, for GPU and CPU
+    runs); each text's placeholders are the ones advise fills; each remedy the overlap rule can name
+    exists, and the rule names them all across the modes and settings it tells apart."""
+    import string
+
+    from titanlite.diagnose.advice import ADVICE, REMEDIES
+    from titanlite.diagnose.analysis import PHASE_KIND, overlap_remedies
+
+    kinds = set(PHASE_KIND.values()) | {"straggler", "config_mismatch", "measurement_inconsistency",
+                                         "insufficient_data", "healthy"}
+    assert {k for k, _ in ADVICE} == kinds
+    for kind in ("compute_stall", "straggler", "host_overhead", "config_mismatch"):
+        assert {(kind, "gpu"), (kind, "cpu")} <= set(ADVICE)
+    for (kind, cause), text in ADVICE.items():
+        fields = {f for _, f, _, _ in string.Formatter().parse(text) if f}
+        assert fields <= {"rank", "fixes", "remedies"}, (kind, cause, fields)
+        out = advise(kind, cause, ["fsdp_reduce_bf16", "fsdp_gathers_auto"], rank=3, fixes="FIX")
+        assert "{" not in out and ("3" in out if "rank" in fields else True)
+    named, path = set(), make_log(tmp_path / "r.json", 2, 100.0)
+    for mode, shards in (("ddp", False), ("zero1", False), ("fsdp", True), ("hsdp", True)):
+        for extra in ({}, {"parallelism.ddp_reduce_dtype": "bfloat16"}, {"parallelism.fsdp_copy_engine_all_gather": "on"},
+                      {"parallelism.fsdp_copy_engine_all_gather": "auto"}):
+            run = load_run(path)
+            run.config.update(extra, data_parallel=mode)
+            named |= set(overlap_remedies(mode, shards, run))
+    assert named == set(REMEDIES)

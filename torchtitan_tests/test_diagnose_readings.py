@@ -170,21 +170,21 @@ CASES = [set(), {"tokens_per_sec_is_one_gpu"}, {"accumulation_split"}, {"accumul
          {"accumulation_split", "peak_2x_dense"}, {"accumulation_differs", "tokens_per_sec_is_one_gpu"}]
 
 
-# Logs whose figures two readings predict equally well, only one of them the truth: the report must
-# say it cannot tell (confidence lowered, the other reading named). {(format, misreports): (what is
-# chosen, the other reading)}.
-AMBIGUOUS = {
+# Logs whose figures two readings predict equally well, only one of them the truth. With the GPU and the
+# model known (every writer here names them), the MFU each reading implies ranks them: the truth implies
+# 42% of the dense peak at both sizes, the other 21% and 5%, so the truth ranks first and the report says
+# why. {(format, misreports): the other reading's misreports}.
+RANKED = {
     # a per-GPU rate logged as the total with MFU over all GPUs' peak predicts every figure exactly as
     # each GPU running accumulation / GPUs does; only a printed effective batch tells them apart, and
     # the earlier trainer's JSON log has none
-    ("json_log", frozenset({"tokens_per_sec_is_one_gpu", "mfu_per_gpu_over_all_gpus"})):
-        (["accumulation_split"], "mfu_per_gpu_over_all_gpus, tokens_per_sec_is_one_gpu: 32 micro-steps"),
-    # the truth is chosen; a split accumulation with MFU over one GPU's peak fits as well
-    ("json_log", frozenset({"tokens_per_sec_is_one_gpu"})): (None, "accumulation_split, mfu_all_gpus_over_one"),
-    ("json_log", frozenset({"accumulation_differs", "tokens_per_sec_is_one_gpu"})): (None, None),
+    ("json_log", frozenset({"tokens_per_sec_is_one_gpu", "mfu_per_gpu_over_all_gpus"})): ["accumulation_split"],
+    ("json_log", frozenset({"tokens_per_sec_is_one_gpu"})): ["accumulation_split", "mfu_all_gpus_over_one"],
+    ("json_log", frozenset({"accumulation_differs", "tokens_per_sec_is_one_gpu"})):
+        ["accumulation_split", "mfu_all_gpus_over_one"],
     # without a step time, tps per GPU with MFU over all GPUs' peak reads exactly like a total tps with
     # a right MFU
-    ("torchtitan", frozenset({"mfu_per_gpu_over_all_gpus"})): (None, "tokens_per_sec_is_all_gpus: 1 micro-steps"),
+    ("torchtitan", frozenset({"mfu_per_gpu_over_all_gpus"})): ["tokens_per_sec_is_all_gpus"],
 }
 
 
@@ -198,14 +198,18 @@ def test_reading_and_corrected_figures(tmp_path, fmt, misreports):
     a = diagnose([str(p) for p, _ in runs], tmp_path / "out", settings=settings(fmt))
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     rec = rep["reconstruction"]
-    if (fmt, frozenset(misreports)) in AMBIGUOUS:
-        chosen, other = AMBIGUOUS[fmt, frozenset(misreports)]
-        assert rep["confidence"] == "medium" and any("another reading fits" in r for r in rep["confidence_reasons"])
-        assert other is None or all(any(a.startswith(other) for a in got["ambiguous_with"]) for got in rec["runs"])
-        if chosen is not None:
-            assert all(got["reading"] == chosen for got in rec["runs"])
-            return
-    elif fmt == "torchtitan":  # no step time: read through the logged rate, and the report says so
+    if (fmt, frozenset(misreports)) in RANKED:  # a tie the implied MFU breaks, and the report says why
+        (ranking,) = rec["ranking"]
+        assert list(ranking["first_mfu_pct"].values()) == pytest.approx([42.2, 42.2], abs=0.1)
+        (other,) = ranking["others_mfu_pct"]
+        assert list(other.values()) == pytest.approx([21.1, 5.3], abs=0.1)
+        assert ranking["band_pct"][0] <= 42.2 <= ranking["band_pct"][1]
+        assert all(m in ranking["text"] for m in RANKED[fmt, frozenset(misreports)])
+        assert "**Why this reading:** The reading ranked first" in (tmp_path / "out" / "report.md").read_text()
+        assert not any(got["ambiguous_with"] for got in rec["runs"]) and rep["other_readings"] == []
+    else:
+        assert rec["ranking"] == []
+    if fmt == "torchtitan":  # no step time: read through the logged rate, and the report says so
         assert rep["confidence"] == "medium" and all("no time per iteration" in r for r in rep["confidence_reasons"])
     else:
         assert rep["confidence"] == "high", rep["confidence_reasons"]
@@ -222,12 +226,51 @@ def test_reading_and_corrected_figures(tmp_path, fmt, misreports):
     if misreports:
         assert a.verdict == "measurement_inconsistency"
         assert a.findings[0].title.startswith("No scaling loss"), a.findings[0].title
-        assert a.findings[0].next_check.startswith("Fix the logger: ")
+        assert a.findings[0].cause == "misreport"
+        assert a.findings[0].remedies == sorted({m for r in rec["runs"] for m in r["reading"]})
         assert not {"compute_stall", "communication", "straggler"} & {f.kind for f in a.findings}
     else:
         assert a.verdict == "healthy", a.findings[0].title
     md = (tmp_path / "out" / "report.md").read_text()
     assert md.index("## What the logs say, reconstructed") < md.index("## Findings, ranked")
+
+
+def test_readings_that_fit_equally_give_each_verdict_and_what_settles_it(tmp_path):
+    """The JSON logs of RANKED's first case without a GPU name or parameter count: the two readings fit
+    equally and the MFU cannot rank them. One (each GPU ran 32 / GPUs micro-steps) means the 8-GPU run
+    computes 4x slower per GPU, the other (a per-GPU rate logged as the total) that nothing is lost: the
+    first line names both verdicts, the next what would settle them. With the GPU and the model, the
+    implied MFU ranks the truth first and the verdict is one."""
+    runs = pair(tmp_path, "json_log", {"tokens_per_sec_is_one_gpu", "mfu_per_gpu_over_all_gpus"})
+    paths = [str(p) for p, _ in runs]
+    for p in paths:
+        log = json.loads(open(p).read())
+        del log["startup_info"]["hardware"], log["startup_info"]["model"]
+        open(p, "w").write(json.dumps(log))
+    r = run_cli(*paths, "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["verdicts"] == ["compute_stall", "measurement_inconsistency"]
+    (other,) = rep["other_readings"]
+    assert other["verdict"] == "measurement_inconsistency" and other["summary"].startswith("No scaling loss")
+    assert [x["micro_steps_per_step"] for x in other["runs"]] == [32, 32]
+    assert [x["micro_steps_per_step"] for x in rep["reconstruction"]["runs"]] == [16, 4]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("verdict: compute_stall or measurement_inconsistency (two readings fit the logs equally)")
+    assert (tmp_path / "o" / "report.md").read_text().startswith(
+        "# Verdict: compute_stall or measurement_inconsistency (two readings fit the logs equally), confidence medium")
+    assert rep["settle_with"].split(" --") == ["--hardware GPU", "model NAME/FLAVOR", "accum A"]
+    assert rep["settle_logs"] == ["the effective batch or the tokens seen"]
+    assert r.stdout.splitlines()[1] == ("to settle it: rerun diagnose with --hardware GPU --model NAME/FLAVOR --accum A, "
+                                        "or give logs that show the effective batch or the tokens seen")
+    r = run_cli(*paths, "--hardware", "h100", "--model", "llama/1.36B", "--out", str(tmp_path / "p"))
+    rep = json.loads((tmp_path / "p" / "report.json").read_text())
+    assert r.returncode == 0 and rep["verdicts"] == ["measurement_inconsistency"] and rep["other_readings"] == []
+    assert [x["micro_steps_per_step"] for x in rep["reconstruction"]["runs"]] == [32, 32]
+    assert len(rep["reconstruction"]["ranking"]) == 1 and rep["confidence"] == "high"
+    r = run_cli(*paths, "--accum", "32", "--out", str(tmp_path / "q"))  # the accumulation given: no split reading
+    rep = json.loads((tmp_path / "q" / "report.json").read_text())
+    assert r.returncode == 0 and rep["verdicts"] == ["measurement_inconsistency"], rep["verdicts"]
 
 
 @pytest.mark.parametrize("fmt", ["titanlite", "console"])
@@ -291,7 +334,7 @@ def test_console_example_is_no_scaling_loss(tmp_path):
     assert rec["runs"][0]["mfu_dense_pct"] == pytest.approx(100 * 72818 * F_DENSE / (PEAK * 1e12), rel=0.01)
     assert rep["confidence"] == "low" and any("1 steady log entry" in r for r in rep["confidence_reasons"])
     assert not {"compute_stall", "communication", "straggler"} & {f["kind"] for f in rep["findings"]}
-    assert a.findings[0].next_check.startswith("Fix the logger: ") and "dense bf16 peak" in a.findings[0].next_check
+    assert a.findings[0].cause == "misreport" and "peak_4x_dense" in a.findings[0].remedies
 
 
 def run_cli(*args):

@@ -15,7 +15,7 @@ from titanlite.config import load_config
 from titanlite.metrics.breakdown import rank_breakdown, summarize
 from titanlite.metrics.console import Console
 from titanlite.metrics import run_log
-from titanlite.metrics.run_log import RunLog, RunLogError, load, steady
+from titanlite.metrics.run_log import RunLog, RunLogError, load, ran, steady
 from titanlite.metrics.timing import StepTimer
 from titanlite.train import Trainer
 
@@ -246,7 +246,13 @@ def test_typed_loader(tmp_path):
     for e in _its([1, 2]):
         a.append(e)
     run = load(a.path)
-    assert (run.world_size, run.label, run.hardware["name"], len(run.iterations)) == (2, "compile", "x", 2)
+    assert (run.world_size, run.label, run.hardware["name"], len(run.iterations)) == (2, "2 GPUs, compile", "x", 2)
+    # the label is what ran, by the resolved configuration; the free-text description is no part of it
+    cfg = {"job.description": "a preset's words", "model.name": "qwen3", "model.flavor": "1.8B", "world_size": 1,
+           "training.dataset": "prepared", "training.dataset_path": "data/c", "data_parallel": "fsdp",
+           "use_cuda_graphs": True}
+    assert ran(cfg, {}, {"device": "cuda"}) == "qwen3/1.8B, prepared data/c, 1 GPU, CUDA graphs"
+    assert ran({**cfg, "world_size": 8}, {}, {"device": "cpu"}) == "qwen3/1.8B, prepared data/c, fsdp, 8 ranks, CUDA graphs"
     assert [e["iter"] for e in run.steady().entries] == [2]
     bad = tmp_path / "bad.json"
     for text, needle in (("{", "not valid JSON"), ('{"a": 1}', "not a run log"),

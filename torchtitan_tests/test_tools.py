@@ -96,7 +96,10 @@ def test_compare_table_and_csv(runs_dir, tmp_path, capsys):
     assert len(lines) == 2 + 3
     with open(tmp_path / "t.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["Config"], r["BS"], r["GA"]) for r in rows] == [("baseline", "2", "1"), ("accum2", "2", "2"), ("DL", "4", "1")]
+    # named by what they ran (the second run's description "accum2" is no label), told apart by BS and GA
+    assert [(r["Config"], r["BS"], r["GA"]) for r in rows] == [
+        ("llama/debug, synthetic, 1 rank", "2", "1"), ("llama/debug, synthetic, 1 rank", "2", "2"),
+        ("llama/debug, python_stdlib, 1 rank", "4", "1")]
     for r, path in zip(rows, sorted(runs_dir.glob("run_*.json"))):
         its = json.loads(path.read_text())["training_iterations"][50:]
         assert float(r["MFU"]) == pytest.approx(sum(e["mfu"] for e in its) / len(its))
@@ -154,3 +157,61 @@ def test_unreadable_inputs_fail_in_one_line(tool, tmp_path):
                            capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert r.stderr.count("\n") == 1 and needle in r.stderr and str(arg) in r.stderr
+
+
+def _logged_run(folder, overrides, world=2, tps=(7000.0, 7100.0, 7200.0, 7300.0, 9000.0)):
+    """A run log as the Trainer writes it (the startup record from the resolved configuration), with
+    steady entries whose tokens/s are skewed (one fast interval), so their mean and median differ."""
+    from titanlite.metrics.reporter import RunFacts, startup_info
+
+    cfg = load_config(["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *overrides])
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len * world
+    facts = RunFacts(world, "fsdp", 1, cfg.training.local_batch_size * world, tokens, "sdpa", torch.device("cpu"),
+                     "cpu", None, 1_377_408, 1_000_000, 10_000_000, "tokens")
+    its = [{"iter": i, "loss": 3.0, "time_ms": 1000 * tokens / t, "tokens_per_sec": t,
+            "tokens_per_sec_per_gpu": t / world} for i, t in zip((1, 10, 20, 30, 40, 50), (100.0, *tps))]
+    path = folder / "run_1.json"
+    path.write_text(json.dumps({"startup_info": startup_info(cfg, facts), "training_iterations": its}))
+    return path
+
+
+def test_a_run_is_labelled_by_what_it_ran(tmp_path, capsys):
+    """The debug preset trained on a prepared corpus: compare and diagnose name the model, the dataset
+    and its path, the mode and the world size from the resolved configuration, not the preset's
+    description, which the overrides did not touch."""
+    from titanlite.diagnose import diagnose
+
+    path = _logged_run(tmp_path, ["--training.dataset", "prepared", "--training.dataset_path", "data/mycorpus"])
+    assert json.loads(path.read_text())["startup_info"]["config"]["job.description"] == "debug LLaMA on python_stdlib"
+    assert compare.main([str(path), "--csv", str(tmp_path / "t.csv")]) == 0
+    with open(tmp_path / "t.csv") as fh:
+        (row,) = csv.DictReader(fh)
+    assert row["Config"] == "llama/debug, prepared data/mycorpus, fsdp, 2 ranks"
+    assert "python_stdlib" not in capsys.readouterr().out
+    diagnose([path], tmp_path / "d")
+    rep = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert rep["runs"][0]["ran"] == row["Config"]
+    assert f"| {row['Config']} |" in (tmp_path / "d" / "report.md").read_text()
+
+
+def test_one_throughput_rule_in_every_tool(tmp_path):
+    """A run's tokens/s and MFU are the steady entries' mean in the Trainer's summary, compare and
+    diagnose alike (run_log.THROUGHPUT_RULE); diagnose's figure from the median step time is a
+    different rule and its column says so."""
+    from titanlite.diagnose import diagnose
+    from titanlite.metrics import run_log
+
+    path = _logged_run(tmp_path, [])
+    log = json.loads(path.read_text())
+    summary = summarize(log["training_iterations"], log["startup_info"]["config"])["tokens_per_sec"]
+    assert summary == pytest.approx((7000 + 7100 + 7200 + 7300 + 9000) / 5, abs=0.5)  # not the median, 7,200
+    assert compare.main([str(path), "--csv", str(tmp_path / "t.csv")]) == 0
+    with open(tmp_path / "t.csv") as fh:
+        (row,) = csv.DictReader(fh)
+    assert float(row["Tokens/s"]) == pytest.approx(summary, abs=0.5)
+    diagnose([path], tmp_path / "d")
+    rep = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert rep["runs"][0]["tokens_per_sec_logged"] == pytest.approx(summary, abs=0.5)
+    assert run_log.THROUGHPUT_RULE in rep["warmup_rule"]
+    md = (tmp_path / "d" / "report.md").read_text()
+    assert "tokens/s (logged, steady mean)" in md and "step time (ms, median)" in md

@@ -1,9 +1,11 @@
 """Scaling diagnosis from run logs: `python -m titanlite.diagnose LOG_A LOG_B [...] --out DIR`.
 
 readers.py reads any supported log format, reconstruct.py finds what each run really did when its
-logger misreported it, runs.py gives the steady-state figures, analysis.py checks like-for-like and
-each log's consistency, computes scaling efficiency and runs one detector per fault kind, report.py
-writes report.md / report.json and the figures (plots.py).
+logger misreported it (and which other readings fit as well), runs.py gives the steady-state
+figures, analysis.py checks like-for-like and each log's consistency, computes scaling efficiency
+and runs one detector per fault kind (under each reading that fits the logs equally), advice.py
+holds what to check next for each finding as data keyed by kind and cause, report.py writes
+report.md / report.json and the figures (plots.py).
 """
 
 from __future__ import annotations

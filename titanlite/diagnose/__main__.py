@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: cannot write the report to {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"verdict: {a.verdict}, confidence {a.confidence} | {a.findings[0].title}")
-    if a.settle_with:
-        print(f"to settle it: rerun with {a.settle_with}")
+    print(f"verdict: {a.headline().removeprefix('Verdict: ')} | {a.findings[0].title}")
+    if a.settle:
+        print(f"to settle it: {a.settle}")
     print(f"confidence: {a.confidence}" + "".join(f"\n  - {r}" for r in a.confidence_reasons))
     print(f"report: {args.out}/report.md (+ report.json" + (", phases.png, ranks.png)" if not a.notes else ")"))
     for note in a.notes:

@@ -12,7 +12,8 @@ than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges:
 than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
 rank, and the others' waits for it, show up as a `straggler` and nowhere else.
 
-Every result is a typed record: `Finding` (kind, severity, title, evidence, next check), `Setting` (a
+Every result is a typed record: `Finding` (kind, cause, severity, title, evidence, remedies; its next
+check written from titanlite.diagnose.advice's table, keyed by kind and cause), `Setting` (a
 like-for-like row), `Check` (a recomputed figure), `Loss` (where a healthy run's efficiency goes) and
 `Reason` (why the confidence is lower, with the flags that would settle it). Each figure has one
 function (gradient_bytes, allreduce_ms, allreduce_extra_ms, predicted_step_ms); figures measured on
@@ -26,9 +27,10 @@ part in no stall, communication or straggler finding.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction
+from titanlite.diagnose.advice import ADVICE, advise, device_cause
+from titanlite.diagnose.reconstruct import HARDWARE_FLAG, MISREPORTS, MODEL_FLAG, Reconstruction, registry_args
 from titanlite.diagnose.runs import PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
@@ -38,7 +40,6 @@ SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 # kinds ranked before any other: nothing else compares like for like, or nothing else is measured yet
 FIRST = {"config_mismatch": 0, "insufficient_data": 1}
 CONFIDENCE = ("high", "medium", "low")
-HARDWARE_FLAG, MODEL_FLAG = "--hardware GPU", "--model NAME/FLAVOR"  # what settles an unknown GPU or model
 
 
 @dataclass
@@ -62,9 +63,11 @@ class Finding:
     severity: str  # high | medium | low | info
     title: str  # one sentence with the key numbers
     evidence: dict  # named numbers, units in the names
-    next_check: str
+    next_check: str  # advice.advise(kind, cause, remedies, ...): written from the advice table
     score: float = 0.0  # share of a step (or relative error) at stake: the ranking key
     run: str = ""
+    cause: str = ""  # the advice table's key beside the kind (titanlite.diagnose.advice)
+    remedies: list[str] = field(default_factory=list)  # advice.REMEDIES keys, in the order they measured best
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -103,12 +106,12 @@ class Loss:
     excess_ms_per_step: float
     share_of_step: float
     text: str
-    next_check: str = ""
     cause: str = ""  # "overlap_contention": compute grew beside overlapped collectives
+    remedies: list[str] = field(default_factory=list)  # advice.REMEDIES keys for that cause
     exposed_comm_ms_per_step: float | None = None
 
     def evidence(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in ("text", "next_check") and v not in ("", None)}
+        return {k: v for k, v in asdict(self).items() if k not in ("text", "remedies") and v not in ("", None, [])}
 
 
 @dataclass
@@ -120,71 +123,7 @@ class Reason:
     level: int   # 1: medium at most, 2: low
     text: str
     flags: tuple[str, ...] = ()
-
-
-NEXT_CHECK = {
-    "compute_stall": (
-        "Per-GPU work is equal, so each GPU should compute as fast at every world size. Check that every rank has "
-        "its own GPU (nvidia-smi shows one training process per GPU; each rank uses cuda:LOCAL_RANK), watch "
-        "`nvidia-smi --query-gpu=index,clocks.sm,clocks_throttle_reasons.active,temperature.gpu,power.draw "
-        "--format=csv -l 1` for throttling, and check CPU oversubscription (ranks x OMP_NUM_THREADS x data workers "
-        "<= cores). Then rerun the larger config on 1 GPU with the same local batch: its compute per micro-step "
-        "should match the baseline."),
-    "data_stall": (
-        "Rerun with --training.dataset synthetic: if the data wait disappears, the input pipeline is the cause. "
-        "Then raise --data.num_workers / --data.prefetch_factor, keep --data.pin_memory on, and check the "
-        "storage and page cache the shards are read from."),
-    "communication": (
-        "Measure the link: nccl-tests all_reduce_perf at the gradient size on these GPUs, and compare its bus "
-        "bandwidth with the figure used here (--link-gbps). Run with NCCL_DEBUG=INFO to see the transport "
-        "(NVLink vs PCIe/SHM); check overlap (--parallelism.ddp_bucket_cap_mb; what bucket sizes measured: "
-        "docs/diagnosis.md, 'Measured remedies') and the reduce dtype."),
-    "straggler": (
-        "Look at that rank's device alone: `nvidia-smi -i R -q -d PERFORMANCE,CLOCK,TEMPERATURE` (throttle "
-        "reasons), other processes on it, its CPU/NUMA affinity and its data shard; rerun with LOG_RANK=R to read "
-        "its own console."),
-    "host_overhead": (
-        "Profile a few steps (--profiling.enable) and look for gaps between kernels; reduce launches with "
-        "--compile.enable or --training.cuda_graphs, or give each kernel more work with a larger local batch."),
-    "config_mismatch": (
-        "Rerun so that only the world size differs (same model, seq_len, precision, compile, parallel mode, "
-        "threads per process, and either the same per-GPU batch and accumulation, or the same global batch)."),
-    "measurement_inconsistency": (
-        "Check how the logger computes the figure: tokens per step must be local batch x accumulation x ranks x "
-        "seq_len, over the same wall-clock interval as time_ms (per optimizer step, not per micro-step); MFU must "
-        "divide by GPUs x dense peak. Until fixed, trust step time and the batch settings, not the logged rate."),
-    "insufficient_data": (
-        "Log several steps past the warm-up (the first 10% of the run): more steps (--training.steps) or a "
-        "smaller --metrics.log_freq, then diagnose again."),
-    "healthy": (
-        "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
-        "its MFU with the single-GPU baseline."),
-}
-
-# CPU runs: the same kinds, checked on the host. torchrun gives each process one intra-op thread
-# (OMP_NUM_THREADS=1) where a plain one-process launch uses every core.
-NEXT_CHECK_CPU = {
-    "compute_stall": (
-        "Per-process work is equal, so each process should compute as fast at every world size. Compare threads "
-        "per process (OMP_NUM_THREADS; torchrun sets 1 when launching several) and check processes x threads x "
-        "(1 + data workers) <= CPUs (nproc), and other load on the machine (top). Then rerun the larger config as "
-        "one process with the same threads per process: its compute per micro-step should match the baseline."),
-    "straggler": (
-        "Look at that rank's process: its CPU affinity (taskset -p PID), other load on its cores (top), its data "
-        "shard; rerun with LOG_RANK=R to read its own console."),
-    "config_mismatch": (
-        "Rerun so that only the world size differs: the same threads per process in every run (OMP_NUM_THREADS=N "
-        "for the one-process run too, with processes x threads <= CPUs), and the same model, seq_len, precision "
-        "and batch settings."),
-    "host_overhead": (
-        "Profile a few steps (--profiling.enable) and look for time outside the ops; fewer, larger ops "
-        "(--compile.enable, a larger local batch) and threads per process x processes <= CPUs."),
-}
-
-
-def next_check(kind: str, run: "Run | None" = None) -> str:
-    """The advice for a finding of `kind`; CPU runs get the host's version where it differs."""
-    return NEXT_CHECK_CPU.get(kind, NEXT_CHECK[kind]) if run is not None and run.device == "cpu" else NEXT_CHECK[kind]
+    logs: tuple[str, ...] = ()  # what a rerun's log would need to show to settle it (ambiguous)
 
 
 def devices(run: Run) -> str:
@@ -222,13 +161,14 @@ def cfg_value(run: Run, key: str):
         return None if run.world == 1 else c.get("data_parallel")
     if key in dict(HOST_KEYS):
         return (run.hardware.get("host") or {}).get(key)
-    return c.get(key)
+    return None if c.get(key) == "" else c.get(key)  # an empty string is a setting left unset
 
 
 MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_precision_param", "precision"),
               ("compile", "compile"), ("use_cuda_graphs", "CUDA graphs"), ("attention_backend", "attention"),
               ("float8.enable", "float8"), ("activation_checkpoint.mode", "activation checkpointing"),
-              ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("hardware", "hardware")]
+              ("data_parallel", "parallel mode"), ("training.dataset", "dataset"), ("training.dataset_path", "dataset path"),
+              ("hardware", "hardware")]
 BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "accumulation steps"),
               ("global_batch_size", "global batch")]
 # the host side (run log startup_info.hardware.host). On CPU the threads are the compute, so they must
@@ -277,7 +217,8 @@ def like_for_like(runs: list[Run]) -> tuple[list[Setting], list[Finding]]:
         findings.append(Finding(
             "config_mismatch", "high",
             f"The runs differ in more than the world size ({what}): their throughput cannot be compared as scaling.",
-            {r.key: r.values for r in bad}, next_check("config_mismatch", runs[0]), score=1.0))
+            {r.key: r.values for r in bad}, advise("config_mismatch", cause := device_cause(runs[0].device)),
+            score=1.0, cause=cause))
     return rows, findings
 
 
@@ -333,7 +274,8 @@ def consistency(run: Run, tol: float) -> tuple[list[Check], Finding | None]:
              f"({worst.error_pct:.1f}% off).")
     evidence = {r.check: {"logged": r.logged, "recomputed": r.recomputed, "error_pct": r.error_pct} for r in bad}
     return rows, Finding("measurement_inconsistency", "high" if score >= tol * 3 else "medium", title, evidence,
-                         NEXT_CHECK["measurement_inconsistency"], score=score, run=run.label)
+                         advise("measurement_inconsistency", "figures_disagree"), score=score, run=run.label,
+                         cause="figures_disagree")
 
 
 # ------------------------------------------------------------------------------ scaling
@@ -346,9 +288,19 @@ def link_gbps(run: Run, override: float | None) -> float:
     return hw.link_gbps if hw else 450.0  # an unknown GPU: an NVLink-class node
 
 
+def model_params(run: Run) -> int | None:
+    """The run's parameter count: what its log prints (or --model gave), else the registered model it
+    names; None when neither is known."""
+    params = run.model.get("params")
+    if not (isinstance(params, (int, float)) and params > 0):
+        args = registry_args(run.model, run.config)
+        params = args.num_params() if args is not None else None
+    return None if params is None else int(params)
+
+
 def gradient_bytes(run: Run) -> float | None:
     """Bytes of gradients a step reduces (None: the model's size is not known)."""
-    params = run.model.get("params")
+    params = model_params(run)
     if not params:
         return None
     bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))
@@ -465,8 +417,9 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
             ev["gradient_bytes"] = gradient_bytes(run)
         if eff is not None:
             ev["scaling_efficiency"] = eff
-        findings.append(Finding(kind, severity(excess / step), title, ev, next_check(kind, run), score=excess / step,
-                                run=run.label))
+        cause = device_cause(run.device) if (kind, device_cause(run.device)) in ADVICE else ""
+        findings.append(Finding(kind, severity(excess / step), title, ev, advise(kind, cause), score=excess / step,
+                                run=run.label, cause=cause))
     return findings
 
 
@@ -510,8 +463,9 @@ def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | N
         title = (f"{run.label} vs {base.label}: the step grows by {excess:,.1f} ms beyond the per-GPU work, about what "
                  f"gradient communication can cost ({comm_extra:,.1f} ms at {gbps:g} GB/s); log a breakdown to confirm.")
         kind = "communication"
-    return [Finding(kind, severity(excess / run.step_ms), title, ev, next_check(kind, run),
-                    score=max(excess, 0.0) / run.step_ms, run=run.label)]
+    cause = device_cause(run.device) if kind == "compute_stall" else ""
+    return [Finding(kind, severity(excess / run.step_ms), title, ev, advise(kind, cause),
+                    score=max(excess, 0.0) / run.step_ms, run=run.label, cause=cause)]
 
 
 # ------------------------------------------------------------------------------ single-run detectors
@@ -549,9 +503,9 @@ def straggler(run: Run, th: Thresholds) -> list[Finding]:
     title = (f"{run.label}: rank {cand} is the slowest in {share_slowest:.0%} of the logged intervals; its own work "
              f"takes {ratio:.2f}x as long as the other ranks' (+{gap:,.1f} ms per step, median over intervals), "
              f"mostly {phase} (+{diffs[phase]:,.1f} ms); the others wait for it.")
-    return [Finding("straggler", severity(gap / run.step_ms), title, ev,
-                    next_check("straggler", run).replace("-i R", f"-i {cand}").replace("LOG_RANK=R", f"LOG_RANK={cand}"),
-                    score=gap / run.step_ms, run=run.label)]
+    cause = device_cause(run.device)
+    return [Finding("straggler", severity(gap / run.step_ms), title, ev, advise("straggler", cause, rank=cand),
+                    score=gap / run.step_ms, run=run.label, cause=cause)]
 
 
 def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
@@ -564,8 +518,9 @@ def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
              f"({100 * v / run.step_ms:.0f}%; {v / run.accum:,.1f} ms per micro-step).")
     ev = {f"{phase}_ms_per_step": round(v, 3), "step_ms": round(run.step_ms, 3),
           "share_of_step": round(v / run.step_ms, 4), f"{phase}_ms_per_micro_step": round(v / run.accum, 3)}
-    return [Finding(kind, severity(v / run.step_ms), title, ev, next_check(kind, run), score=v / run.step_ms,
-                    run=run.label)]
+    cause = device_cause(run.device) if (kind, device_cause(run.device)) in ADVICE else ""
+    return [Finding(kind, severity(v / run.step_ms), title, ev, advise(kind, cause), score=v / run.step_ms,
+                    run=run.label, cause=cause)]
 
 
 # ------------------------------------------------------------------------------ what the reconstruction found
@@ -617,10 +572,10 @@ def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: T
         ev["scaling_efficiency_printed"] = round(printed_eff, 4)
         ev["scaling_efficiency_corrected"] = eff
     throughput = any(m.startswith(("tokens_per_sec", "accumulation")) for rr in rec.runs for m in rr.reading)
-    next_check = ("Fix the logger: " + "; ".join(rec.fixes) + ". Until then, read throughput from the step time "
-                  "and the micro-steps each GPU runs (the reconstruction table), not from the logged rate or MFU.")
-    return Finding("measurement_inconsistency", "high" if throughput else "medium", title, ev, next_check,
-                   score=1.0 if no_loss else 0.05)
+    return Finding("measurement_inconsistency", "high" if throughput else "medium", title, ev,
+                   advise("measurement_inconsistency", "misreport", fixes="; ".join(rec.fixes)),
+                   score=1.0 if no_loss else 0.05, cause="misreport",
+                   remedies=sorted({m for rr in rec.runs for m in rr.reading}))
 
 
 def insufficient_finding(runs: list[Run]) -> Finding | None:
@@ -632,7 +587,7 @@ def insufficient_finding(runs: list[Run]) -> Finding | None:
              f"no stall, communication or scaling figure can be trusted.")
     return Finding("insufficient_data", "info", title, {r.label: {"last_iter": r.entries[-1]["iter"],
                                                                    "entries": r.excluded + len(r.entries)}
-                                                         for r in short}, NEXT_CHECK["insufficient_data"], score=1.0)
+                                                         for r in short}, advise("insufficient_data"), score=1.0)
 
 
 def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
@@ -675,7 +630,8 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
                               f"peak (pass {' and '.join(f.split()[0] for f in flags)})", flags))
         if rr.ambiguous_with:
             why.append(Reason(rr.label, "ambiguous", 1, f"{rr.label}: another reading fits its log as well "
-                                                        f"({'; '.join(rr.ambiguous_with)})", flags))
+                                                        f"({'; '.join(rr.ambiguous_with)})",
+                              tuple(rec.settle_flags), tuple(rec.settle_logs)))
     top = findings[0].kind if findings else ""
     if top in ("compute_stall", "communication") and len(runs) > 1:
         for r in runs:
@@ -695,6 +651,13 @@ def confidence(runs: list[Run], rec: Reconstruction | None, th: Thresholds,
 def settle_flags(reasons: list[Reason]) -> str:
     """The flags that would let the checks behind a lowered confidence run, once each."""
     return " ".join(dict.fromkeys(f for r in reasons for f in r.flags))
+
+
+def settle_text(flags: str, logs: list[str]) -> str:
+    """'rerun diagnose with FLAGS, or give logs that show X and Y': what would settle the checks."""
+    parts = ([f"rerun diagnose with {flags}"] if flags else []) + \
+        ([f"give logs that show {' and '.join(logs)}"] if logs else [])
+    return ", or ".join(parts)
 
 
 def trusted(r: Run, rec: Reconstruction | None) -> bool:
@@ -718,10 +681,17 @@ class Analysis:
     reconstruction: Reconstruction | None = None
     confidence: str = "high"
     reasons: list[Reason] = field(default_factory=list)
+    others: list["OtherReading"] = field(default_factory=list)  # the other readings that fit the logs as well
 
     @property
     def verdict(self) -> str:
+        """The top finding under the chosen reading of the logs."""
         return self.findings[0].kind
+
+    @property
+    def verdicts(self) -> list[str]:
+        """The verdict under each reading that fits the logs as well, the chosen reading's first, once each."""
+        return list(dict.fromkeys([self.verdict] + [o.verdict for o in self.others]))
 
     @property
     def confidence_reasons(self) -> list[str]:
@@ -732,9 +702,34 @@ class Analysis:
         """Flags that would let the checks behind a lowered confidence run ('' when none would)."""
         return settle_flags(self.reasons)
 
+    @property
+    def settle_logs(self) -> list[str]:
+        """What logs would need to show to tell equally fitting readings apart."""
+        return list(dict.fromkeys(x for r in self.reasons for x in r.logs))
+
+    @property
+    def settle(self) -> str:
+        return settle_text(self.settle_with, self.settle_logs)
+
     def headline(self) -> str:
-        """The report's first line: the verdict and its confidence, nothing else that reads like either."""
+        """The report's first line: the verdict and its confidence, nothing else that reads like either.
+        Where readings that fit the logs as well lead to other verdicts, it names each."""
+        if len(self.verdicts) > 1:
+            n = len(self.others) + 1
+            return (f"Verdict: {' or '.join(self.verdicts)} ({'two' if n == 2 else n} readings fit the logs equally), "
+                    f"confidence {self.confidence}")
         return f"Verdict: {self.verdict}, confidence {self.confidence}"
+
+
+@dataclass
+class OtherReading:
+    """Another reading that fits the logs as well as the chosen one, and what the logs say under it."""
+    verdict: str
+    summary: str                 # its top finding's title
+    reconstruction: Reconstruction
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "summary": self.summary, **self.reconstruction.to_json()}
 
 
 def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None,
@@ -771,7 +766,18 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
     if not findings:
         findings = [healthy(runs, scaling, effs, gbps, mode)]
     level, why = confidence(runs, rec, th, findings)
-    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level, reasons=why)
+    others = [other_reading(runs, alt, th, link_override) for alt in rec.alternatives] if rec else []
+    return Analysis(runs, findings, rows, cons, scaling, gbps, reconstruction=rec, confidence=level, reasons=why,
+                    others=others)
+
+
+def other_reading(runs: list[Run], alt: Reconstruction, th: Thresholds, link_override: float | None) -> OtherReading:
+    """The analysis of the runs under another reading of their logs: the work per step it says each ran."""
+    by_label = {rr.label: rr for rr in alt.runs}
+    alt_runs = [replace(r, accum=by_label[r.label].micro_steps_per_step,
+                        step_ms_derived=None if r.has_step_time else by_label[r.label].step_ms) for r in runs]
+    a = analyze(alt_runs, th, link_override, alt)
+    return OtherReading(a.verdict, a.findings[0].title, alt)
 
 
 def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -> Finding:
@@ -779,19 +785,18 @@ def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -
     if mode == "single_run":
         title = (f"One run ({base.label}): no fault found in its own figures; no scaling claim (a scaling "
                  "diagnosis needs a second run at another world size).")
-        return Finding("healthy", "info", title, {"tokens_per_sec_per_gpu": round(base.per_gpu, 1)},
-                       NEXT_CHECK["healthy"])
+        return Finding("healthy", "info", title, {"tokens_per_sec_per_gpu": round(base.per_gpu, 1)}, advise("healthy"))
     worst = min((row["efficiency"] for row in scaling["runs"] if row["efficiency"] is not None), default=None)
     title = ("No fault found: every log is self-consistent, the runs are like for like"
              + (f", and the lowest scaling efficiency is {worst:.0%}" if worst is not None else "") + ".")
-    ev, advice = {"scaling_efficiency": effs}, NEXT_CHECK["healthy"]
+    ev, cause, remedies = {"scaling_efficiency": effs}, "", []
     if mode != "not_comparable" and len(runs) > 1:
         lost = largest_loss(base, runs[-1], gbps[runs[-1].label])
         if lost:
             title += " " + lost.text
             ev["largest_loss"] = lost.evidence()
-            advice = lost.next_check or advice
-    return Finding("healthy", "info", title, ev, advice)
+            cause, remedies = lost.cause, lost.remedies
+    return Finding("healthy", "info", title, ev, advise("healthy", cause, remedies), cause=cause, remedies=remedies)
 
 
 # data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
@@ -824,30 +829,24 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss 
         out.cause, out.exposed_comm_ms_per_step = "overlap_contention", round(comm, 3)
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
                  f"that overlap the backward pass: their kernels share the SMs and memory bandwidth with it.")
-        # the remedies in the order they measured best (docs/diagnosis.md, "Measured remedies")
-        if traits.shards_params:
-            fix = "--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes"
-            gathers = cfg_value(run, "parallelism.fsdp_copy_engine_all_gather")
-            if gathers in ("on", True):
-                fix += " (the parameter all-gathers already ran on the copy engines)"
-            elif gathers == "auto":
-                fix += (" (parallelism.fsdp_copy_engine_all_gather=auto puts the parameter all-gathers on the copy "
-                        "engines on one NVSwitch host; the run's start-up log says whether it did, and why not)")
-            else:  # off, or a log that does not say
-                fix = ("--parallelism.fsdp_copy_engine_all_gather auto moves the parameter all-gathers onto the copy "
-                       "engines, and " + fix)
-        else:  # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
-            fix = ("fsdp, whose parameter all-gathers take the copy engines on one NVSwitch host "
-                   "(parallelism.fsdp_copy_engine_all_gather=auto), keeps most of its collectives off the SMs")
-            if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16":
-                fix = ("--parallelism.ddp_reduce_dtype bfloat16 halves the all-reduced bytes (the gradients are "
-                       "summed over the ranks in bf16); beyond that, " + fix)
-        out.next_check = (
-            "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
-            "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. "
-            f"To shrink the overlap's cost: {fix} (what each measured: docs/diagnosis.md, 'Measured remedies').")
+        out.remedies = overlap_remedies(mode, traits.shards_params, run)
     out.text = text
     return out
+
+
+def overlap_remedies(mode: str, shards_params: bool, run: Run) -> list[str]:
+    """What shrinks the cost of collectives overlapping backward, in the order they measured best
+    (docs/diagnosis.md, "Measured remedies"), given what the run already does."""
+    if shards_params:
+        gathers = cfg_value(run, "parallelism.fsdp_copy_engine_all_gather")
+        if gathers in ("on", True):
+            return ["fsdp_reduce_bf16", "fsdp_gathers_ran_on_copy_engines"]
+        if gathers == "auto":
+            return ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
+        return ["fsdp_copy_engine_gathers", "fsdp_reduce_bf16"]  # off, or a log that does not say
+    # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
+    first = ["ddp_reduce_bf16"] if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16" else []
+    return first + ["fsdp_instead"]
 
 
 def merge(findings: list[Finding]) -> list[Finding]:

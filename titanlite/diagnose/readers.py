@@ -18,8 +18,8 @@ memory_*_gb, and warmup (an entry its logger marks as warm-up). Whether a logger
 its format documents is not taken on trust here: titanlite.diagnose.reconstruct checks it.
 
 `Settings` (the command line's --gpus, --local-batch, --seq-len, --accum, --hardware, --model)
-supply what a log lacks and replace what it says; each replacement is recorded in the run's
-`overrides` so the report can mark it.
+supply what a log lacks and replace what it says; each value given is recorded in the run's
+`overrides` so the report can mark it and the reconstruction takes it as fact.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from titanlite.diagnose.reconstruct import registry_args
 from titanlite.metrics.run_log import LoggedRun, RunLogError, from_dict
 
 
@@ -208,44 +209,96 @@ def parse_console(path: Path, text: str) -> LoggedRun:
 
 
 # ------------------------------------------------------------------------------ torchtitan's console
+# torchtitan 0.2.2 and 0.3.0 print the same lines (their metrics and trainer code), through Python
+# logging ("[titan] DATE - root - INFO - ..."), coloured with ANSI codes; torchrun's --tee with --role
+# rank puts "[rank0]:" before each line on the console. Read here:
+#   Building device mesh with parallelism: pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=1[, etp=1]
+#   CUDA capacity: NVIDIA H100 80GB HBM3 with 79.11GiB memory
+#   Model llama3 1.36B size: 1,294,159,104 total parameters
+#   Peak FLOPS used for computing MFU: 9.890e+14
+#   Compiling each TransformerBlock with torch.compile
+#   Trainer is initialized with local batch size 4, global batch size 8, gradient accumulation steps 1,
+#       sequence length 2048, total steps 30 (warmup 10)
+#   step:  5  loss:  9.12345  grad_norm:  2.3456  memory: 28.80GiB(30.31%)  tps: 53,409  tflops: 356.06  mfu: 45.12%
+# "memory" is the caching allocator's max reserved since the previous step line; tps, tflops and mfu
+# are one GPU's (mfu "N/A" under 0.3.0's quantized training).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TT_STEP = re.compile(r"(?<!validate )\bstep:\s*(\d+)\s+loss:\s*([-+\d.eE]+|nan|inf)")  # not its validation lines
-TT_FIGURES = [("memory_reserved_gb", re.compile(r"\bmemory:\s*([\d.]+)\s*GiB"), 1.0),
+TT_FIGURES = [("grad_norm", re.compile(r"\bgrad_norm:\s*([-+\d.eE]+|nan|inf)"), 1.0),
+              ("memory_reserved_peak_gb", re.compile(r"\bmemory:\s*([\d.]+)\s*GiB"), 1.0),
               ("tokens_per_sec_per_gpu", re.compile(r"\btps:\s*([\d,.]+)"), 1.0),
               ("tflops_per_gpu", re.compile(r"\btflops:\s*([\d,.]+)"), 1.0),
               ("mfu", re.compile(r"\bmfu:\s*([\d.]+)%"), 1.0),
-              ("grad_norm", re.compile(r"\bgrad_norm:\s*([\d.eE+-]+)"), 1.0),
               ("time_ms", re.compile(r"\bstep_time:\s*([\d.]+)s"), 1000.0)]
-TT_SETTINGS = [("hardware", "name", re.compile(r"(?:CUDA|GPU) capacity:\s*(.+?)\s+with\s"), str),
-               ("config", "batch_size", re.compile(r"local batch size (\d+)"), int),
-               ("config", "global_batch_size", re.compile(r"global batch size (\d+)"), int),
-               ("config", "gradient_accumulation_steps", re.compile(r"gradient accumulation steps (\d+)"), int),
-               ("config", "seq_len", re.compile(r"sequence length (\d+)"), int),
-               ("model", "params", re.compile(r"size:\s*([\d,]+) total parameters"), int)]
+TT_SETTINGS = [("hardware", "name", re.compile(r"(?:CUDA|GPU) capacity:\s*(.+?)\s+with\s"), str, 1.0),
+               ("hardware", "peak_tflops_per_gpu", re.compile(r"Peak FLOPS used for computing MFU:\s*([\d.eE+]+)"),
+                float, 1e-12),
+               ("config", "batch_size", re.compile(r"local batch size (\d+)"), int, 1),
+               ("config", "global_batch_size", re.compile(r"global batch size (\d+)"), int, 1),
+               ("config", "gradient_accumulation_steps", re.compile(r"gradient accumulation steps (\d+)"), int, 1),
+               ("config", "seq_len", re.compile(r"sequence length (\d+)"), int, 1),
+               ("model", "params", re.compile(r"size:\s*([\d,]+) total parameters"), int, 1)]
+TT_MESH = re.compile(r"Building device mesh with parallelism:\s*(.+)")
+TT_COMPILE = "Compiling each TransformerBlock with torch.compile"
+# data-parallel degrees -> titanlite's name for the mode: replicate (all-reduce), shard, both
+TT_MODES = {(True, False): "ddp", (False, True): "fsdp", (True, True): "hsdp"}
 
 
 def _is_torchtitan(text: str) -> bool:
     return bool(TT_STEP.search(ANSI.sub("", text))) and "tps:" in text
 
 
-def parse_torchtitan(path: Path, text: str) -> LoggedRun:
-    text = ANSI.sub("", text)
-    parts: dict[str, dict] = {"config": {}, "hardware": {}, "model": {}}
-    for where, key, pattern, kind in TT_SETTINGS:
-        if m := pattern.search(text):
-            parts[where][key] = m.group(1).strip() if kind is str else kind(_num(m.group(1)))
-    entries = []
-    for line in text.splitlines():
+def torchtitan_steps(text: str) -> list[dict]:
+    """torchtitan's training step lines as run-log entries (iter, loss, and each figure the line has),
+    one per step in step order; a step printed twice (several ranks, a restart) keeps its last line."""
+    out: dict[int, dict] = {}
+    for line in ANSI.sub("", text).splitlines():
         if m := TT_STEP.search(line):
             e = {"iter": int(m.group(1)), "loss": float(m.group(2))}
             for key, pattern, scale in TT_FIGURES:
                 if v := pattern.search(line):
                     e[key] = _num(v.group(1)) * scale
-            entries.append(e)
+            out[e["iter"]] = e
+    return [out[k] for k in sorted(out)]
+
+
+def torchtitan_world(text: str, cfg: dict, notes: list[str]) -> None:
+    """World size and data-parallel mode from the device-mesh line; without it (one GPU builds no
+    mesh), the world size from global batch = local batch x accumulation x data-parallel ranks."""
+    if m := TT_MESH.search(text):
+        dims = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+        model_parallel = {k: v for k, v in dims.items() if k in ("pp", "cp", "tp") and v > 1}
+        if model_parallel:
+            notes.append("the device mesh also splits the model (" + ", ".join(f"{k}={v}" for k, v in
+                                                                              model_parallel.items())
+                         + "): diagnose models data parallelism, so the world size is not taken from it")
+            return
+        rep, shard = dims.get("dp_replicate", 1), dims.get("dp_shard", 1)
+        cfg["world_size"] = rep * shard
+        if rep * shard > 1:
+            cfg["data_parallel"] = TT_MODES[rep > 1, shard > 1]
+        return
+    gb, local, accum = (cfg.get(k) for k in ("global_batch_size", "batch_size", "gradient_accumulation_steps"))
+    if gb and local and accum and gb % (local * accum) == 0:
+        cfg["world_size"] = gb // (local * accum)
+
+
+def parse_torchtitan(path: Path, text: str) -> LoggedRun:
+    text = ANSI.sub("", text)
+    parts: dict[str, dict] = {"config": {}, "hardware": {}, "model": {}}
+    for where, key, pattern, kind, scale in TT_SETTINGS:
+        if m := pattern.search(text):
+            parts[where][key] = m.group(1).strip() if kind is str else kind(_num(m.group(1)) * scale)
+    if TT_COMPILE in text:
+        parts["config"]["compile"] = True
+    notes: list[str] = []
+    torchtitan_world(text, parts["config"], notes)
+    entries = torchtitan_steps(text)
     if not entries:
         raise RunLogError(f"{path}: no 'step: N  loss: ...' lines in this torchtitan output")
     parts["hardware"].setdefault("device", "cuda")
-    return LoggedRun(path, parts["config"], entries, parts["hardware"], parts["model"], source="torchtitan")
+    return LoggedRun(path, parts["config"], entries, parts["hardware"], parts["model"], source="torchtitan",
+                     notes=notes)
 
 
 FORMATS: list[Format] = [  # most specific first
@@ -287,27 +340,27 @@ def read(path: str | Path, settings: Settings | None = None) -> LoggedRun:
 
 
 def apply_settings(run: LoggedRun, s: Settings) -> None:
+    """Every value a flag gives is recorded in `overrides` (what the log said, or None), even where the
+    log says the same: a value from the command line is a fact the reconstruction does not question."""
     for name, (key, _) in SETTING_KEYS.items():
         value = getattr(s, name)
         if value is not None:
-            if run.config.get(key) != value:
-                run.overrides[key] = (run.config.get(key), value)
+            run.overrides[key] = (run.config.get(key), value)
             run.config[key] = value
     if s.hardware:
         from titanlite.hardware import by_key
 
         hw = by_key(s.hardware)
         name = hw.device_name if hw else s.hardware
-        if run.hardware.get("name") != name:
-            run.overrides["hardware"] = (run.hardware.get("name"), name)
+        run.overrides["hardware"] = (run.hardware.get("name"), name)
         run.hardware.update(name=name, device="cuda")
-    if s.model:
+    if s.model:  # the model given replaces the log's: its name and size (the all-reduce's bytes)
         name, _, flavor = s.model.partition("/")
         old = f"{run.model.get('name')}/{run.model.get('flavor')}" if run.model.get("name") else None
-        if old != s.model:
-            run.overrides["model"] = (old, s.model)
+        run.overrides["model"] = (old, s.model)
         run.model.update(name=name, flavor=flavor)
         run.config.update({"model.name": name, "model.flavor": flavor})
+        run.model["params"] = registry_args(run.model, run.config).num_params()
 
 
 def check_shape(run: LoggedRun) -> None:

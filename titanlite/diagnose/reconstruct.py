@@ -18,8 +18,10 @@ physically impossible when the per-GPU FLOP/s it implies exceed the GPU's dense 
 titanlite.hardware), and suspect below `suspect_share` of it. The chosen reading is the possible one
 whose measured figures (rates, tokens seen) contradict it in the fewest logs, then the one with the
 highest total score, then the fewest misreports: a printed setting that agrees never outweighs a
-measurement that does not; a reading of equal score needing at most
-one misreport more that gives other figures makes the answer ambiguous, and the report says so.
+measurement that does not. Readings of equal score needing at most one misreport more that give
+other figures fit as well: where the GPU and model are known, the MFU each implies ranks them
+(TYPICAL_MFU), and the report says why the first ranks first; those still tied are kept as
+`alternatives`, which diagnose analyses too, naming each verdict and what would settle them.
 
 Step time is the measurement the reconstruction trusts: it is a clock, and no misreport above
 touches it. A log without one is read through its logged rate instead, with lower confidence.
@@ -222,10 +224,24 @@ class RunReading:
 class Reconstruction:
     runs: list[RunReading]               # argument order
     fixes: list[str]                     # what to fix in the logger(s), one sentence per misreport found
+    # the other readings that fit the logs as well, each a whole reconstruction (the logs of one format
+    # read otherwise, the rest as chosen), in the order they rank
+    alternatives: list["Reconstruction"] = field(default_factory=list)
+    ranking: list["Ranking"] = field(default_factory=list)  # why the chosen reading ranks first, where the MFU
+                                                             # it implies broke a tie between readings that fit as well
+    settle_flags: list[str] = field(default_factory=list)  # diagnose flags that would tell the readings apart
+    settle_logs: list[str] = field(default_factory=list)   # what a log would need to show to tell them apart
 
     @property
     def corrected(self) -> bool:
         return any(r.reading for r in self.runs)
+
+    def to_json(self) -> dict:
+        """The readings other than the chosen one (report.json `reconstruction.alternatives`)."""
+        return {"runs": [{"run": r.label, "reading": r.reading, "micro_steps_per_step": r.micro_steps_per_step,
+                          "tokens_per_sec_per_gpu": round(r.tokens_per_sec_per_gpu, 2),
+                          "mfu_dense_pct": None if r.mfu_dense_pct is None else round(r.mfu_dense_pct, 3)}
+                         for r in self.runs], "logger_fixes": self.fixes}
 
 
 # ------------------------------------------------------------------------------ facts
@@ -234,13 +250,21 @@ def _median(values) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def model_args(log: LoggedRun) -> ModelArgs | None:
-    """The model from its registry name (with the run's vocabulary), else the one registry model whose
-    parameter count the log prints (the earlier trainer prints only N), which the log is then named as."""
-    name, flavor = log.model.get("name"), log.model.get("flavor")
+def registry_args(model: dict, config: dict) -> ModelArgs | None:
+    """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
+    when it names none that is registered."""
+    name, flavor = model.get("name"), model.get("flavor")
     if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
-        vocab = log.config.get("model.vocab_size")
+        vocab = config.get("model.vocab_size")
         return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
+    return None
+
+
+def model_args(log: LoggedRun) -> ModelArgs | None:
+    """The model from its registry name (registry_args), else the one registry model whose parameter
+    count the log prints (the earlier trainer prints only N), which the log is then named as."""
+    if (args := registry_args(log.model, log.config)) is not None:
+        return args
     n = log.model.get("params")
     if isinstance(n, (int, float)) and n > 0:
         hits = [(m, f, a) for m, spec in MODEL_REGISTRY.items() for f, a in spec.flavors.items()
@@ -415,6 +439,79 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
     return chosen, same
 
 
+# MFU on the dense bf16 peak that training runs of these models reach (docs/performance.md: LLaMA 1.36B
+# compiled at 45-57% on H100s and H200s, 72% with float8; eager at 35%). Among readings that fit a log
+# equally well, one implying MFU inside this band is the likelier. By the log's compile setting; not logged: either.
+TYPICAL_MFU = {True: (0.30, 0.75), False: (0.15, 0.60), None: (0.15, 0.75)}
+TYPICAL_MARGIN = 0.02  # readings whose distance from the band differs by less than this rank the same
+
+
+def typical_band(f: Facts) -> tuple[float, float]:
+    compiled = f.log.config.get("compile")
+    return TYPICAL_MFU[compiled if isinstance(compiled, bool) else None]
+
+
+def atypical(evs: list[Evaluation], facts: list[Facts]) -> float | None:
+    """How far outside the typical band the MFU a reading implies lies, summed over the logs (0: inside
+    for every log); None where a log's GPU or model is not known."""
+    total = 0.0
+    for e, f in zip(evs, facts):
+        if e.dense_share is None:
+            return None
+        lo, hi = typical_band(f)
+        total += max(lo - e.dense_share, e.dense_share - hi, 0.0)
+    return total
+
+
+@dataclass
+class Ranking:
+    """Why the chosen reading of a format's logs ranks first among readings that fit them equally: the
+    MFU on the dense bf16 peak each implies per log (%), against the band training runs reach."""
+    text: str
+    band_pct: tuple[float, float]
+    first_mfu_pct: dict[str, float]
+    others_mfu_pct: list[dict[str, float]]
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "band_pct": list(self.band_pct), "first_mfu_pct": self.first_mfu_pct,
+                "others_mfu_pct": self.others_mfu_pct}
+
+
+def rank_by_mfu(facts: list[Facts], chosen: list[Evaluation], same: list[list[Evaluation]]
+                ) -> tuple[list[Evaluation], list[list[Evaluation]], Ranking | None]:
+    """Readings that fit the logs equally, ranked by the MFU each implies (TYPICAL_MFU): the most typical
+    first; the others stay as ambiguous only where they are as typical. Returns (chosen, the rest, why
+    the first ranks first: None where the MFU could not tell them apart or is not known)."""
+    cands = [chosen] + same
+    dist = [atypical(evs, facts) for evs in cands]
+    if not same or any(d is None for d in dist):
+        return chosen, same, None
+    order = sorted(range(len(cands)), key=lambda i: dist[i])
+    first, best = cands[order[0]], dist[order[0]]
+    tied = [cands[i] for i in order[1:] if dist[i] <= best + TYPICAL_MARGIN]
+    if len(tied) == len(same):
+        return chosen, same, None
+    lower = [cands[i] for i in order[1:] if dist[i] > best + TYPICAL_MARGIN]
+    mfu = lambda evs: {f.label: round(100 * e.dense_share, 2) for e, f in zip(evs, facts)}
+    implies = lambda evs: " and ".join(f"{v:.1f}% ({k})" for k, v in mfu(evs).items())
+    los, his = zip(*(typical_band(f) for f in facts))
+    band = (100 * max(los), 100 * min(his))
+    compiled = {f.log.config.get("compile") for f in facts}
+    kind = {True: "compiled ", False: "eager "}.get(compiled.pop(), "") if len(compiled) == 1 else ""
+    text = (f"the reading ranked first [{describe_reading(first, facts)}] implies {implies(first)} MFU on the dense "
+            f"bf16 peak, {'within' if best == 0 else 'nearest to'} the {band[0]:.0f}-{band[1]:.0f}% that {kind}"
+            f"training runs reach; of the {len(cands)} readings that fit the logs equally, "
+            + ("the other" if len(lower) == 1 else "the others") + " "
+            + ", ".join(f"[{describe_reading(evs, facts)}] implies {implies(evs)}" for evs in lower))
+    return first, tied, Ranking(text, band, mfu(first), [mfu(evs) for evs in lower])
+
+
+def describe_reading(evs: list[Evaluation], facts: list[Facts]) -> str:
+    """A reading of several logs in words: per log its misreports (or 'as logged') and micro-steps."""
+    return "; ".join(f"{f.label}: {', '.join(e.misreports()) or 'as logged'}, {e.micro_steps} micro-step"
+                     f"{'s' if e.micro_steps != 1 else ''} per GPU" for e, f in zip(evs, facts))
+
+
 def _fmt(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
 
@@ -445,38 +542,86 @@ def why(f: Facts, e: Evaluation, printed: Evaluation | None) -> str:
     return "; ".join(parts) + "."
 
 
+def reading_of(f: Facts, e: Evaluation, others: list[Evaluation], tol: float, suspect_share: float) -> RunReading:
+    """One log's reconstruction under evaluation `e`; `others`: the other readings that fit it as well."""
+    printed = evaluate(f, Conventions(), f.accum, tol, suspect_share)
+    mfu = 100 * e.per_gpu * f.flops_dense / (f.peak_dense * 1e12) if f.peak_dense and f.flops_dense else None
+    step_ms = 1000 * (f.step_s or f.local_batch * e.micro_steps * f.seq_len / e.per_gpu)
+    amb = [f"{', '.join(a.misreports()) or 'as logged'}: {a.micro_steps} micro-steps per GPU, "
+           f"{a.per_gpu:,.0f} tokens/s per GPU" for a in others]
+    return RunReading(
+        f.label, str(f.log.path), f.log.source, f.world, e.misreports(), e.micro_steps, f.accum, e.per_gpu, mfu,
+        step_ms, "logged" if f.step_s else "derived from the logged rate", e.plausibility, e.dense_share,
+        printed.dense_share if printed else None, why(f, e, printed), e.items, f.gpu, f.peak_dense,
+        f.flops_dense, f.flops_basis, amb, dict(f.log.overrides), list(f.log.notes), f.steady_entries,
+        f.only_warmup)
+
+
+def fixes_of(runs: list[RunReading]) -> list[str]:
+    """What to fix in the logger(s): one sentence per misreport found, naming the formats when several."""
+    sources = {r.source for r in runs}
+    found = {m: [r.source for r in runs if m in r.reading] for m in MISREPORTS}
+    return [MISREPORTS[m][1] + (f" ({', '.join(dict.fromkeys(where))} logs)" if len(sources) > 1 else "")
+            for m, where in found.items() if where]
+
+
+HARDWARE_FLAG, MODEL_FLAG, ACCUM_FLAG = "--hardware GPU", "--model NAME/FLAVOR", "--accum A"
+
+
+def settlers(facts: list[Facts], chosen: list[Evaluation], same: list[list[Evaluation]]) -> tuple[list[str], list[str]]:
+    """What would tell equally fitting readings apart: the flags that let a check run (the GPU and model
+    let the MFU each implies rank them; the accumulation, once given, is not in question), and what a
+    log would need to show."""
+    flags = [flag for flag, missing in ((HARDWARE_FLAG, any(not f.peak_dense for f in facts)),
+                                        (MODEL_FLAG, any(not f.flops for f in facts)),
+                                        (ACCUM_FLAG, any(not f.accum_given and any(alt[j].micro_steps != e.micro_steps
+                                                                                   for alt in same)
+                                                         for j, (f, e) in enumerate(zip(facts, chosen)))))
+             if missing]
+    logs = [what for what, missing in (("a time per step", any(not f.step_s for f in facts)),
+                                       ("the effective batch or the tokens seen",
+                                        any(not {"global_batch_size", "tokens_seen_per_step"} & set(f.printed)
+                                            for f in facts)))
+            if missing]
+    return flags, logs
+
+
 def reconstruct(logs: list[LoggedRun], labels: list[str], scopes: list[str], tol: float = 0.03,
                 suspect_share: float = 0.05) -> Reconstruction:
-    """Choose a reading per log (argument order kept); logs of one format share its conventions."""
+    """Choose a reading per log (argument order kept); logs of one format share its conventions. Readings
+    that fit as well are ranked by the MFU they imply where the GPU and model are known; those still
+    tied are kept as alternatives, with what would settle them."""
     facts = [gather(log, label, scope) for log, label, scope in zip(logs, labels, scopes)]
     chosen: dict[int, Evaluation] = {}
     others: dict[int, list[Evaluation]] = {}
+    groups, ranking, flags, needs = [], [], [], []
     for source in dict.fromkeys(log.source for log in logs):
         idx = [i for i, log in enumerate(logs) if log.source == source]
-        evs, same = choose([facts[i] for i in idx], tol, suspect_share)
+        group = [facts[i] for i in idx]
+        evs, same = choose(group, tol, suspect_share)
+        evs, same, why_first = rank_by_mfu(group, evs, same)
+        ranking += [why_first] if why_first else []
+        distinct: dict[tuple, list[Evaluation]] = {}  # one per different answer, the fewest misreports first
+        for alt in sorted(same, key=lambda a: sum(len(e.misreports()) for e in a)):
+            distinct.setdefault(tuple((e.micro_steps, round(e.per_gpu, -1)) for e in alt), alt)
+        same = list(distinct.values())[:3]
+        if same:
+            f_, l_ = settlers(group, evs, same)
+            flags, needs = flags + f_, needs + l_
+        groups.append((idx, same))
         for j, i in enumerate(idx):
             chosen[i] = evs[j]
-            alts: dict[tuple, Evaluation] = {}  # one per different answer, the fewest misreports first
-            for alt in sorted((a[j] for a in same), key=lambda a: len(a.misreports())):
+            alts: dict[tuple, Evaluation] = {}
+            for alt in (a[j] for a in same):
                 if alt.micro_steps != evs[j].micro_steps or abs(alt.per_gpu - evs[j].per_gpu) > tol * evs[j].per_gpu:
                     alts.setdefault((alt.micro_steps, round(alt.per_gpu, -1)), alt)
-            others[i] = list(alts.values())[:3]
-    runs = []
-    for i, f in enumerate(facts):
-        e = chosen[i]
-        printed = evaluate(f, Conventions(), f.accum, tol, suspect_share)
-        mfu = 100 * e.per_gpu * f.flops_dense / (f.peak_dense * 1e12) if f.peak_dense and f.flops_dense else None
-        step_ms = 1000 * (f.step_s or f.local_batch * e.micro_steps * f.seq_len / e.per_gpu)
-        amb = [f"{', '.join(a.misreports()) or 'as logged'}: {a.micro_steps} micro-steps per GPU, "
-               f"{a.per_gpu:,.0f} tokens/s per GPU" for a in others[i]]
-        runs.append(RunReading(
-            f.label, str(f.log.path), f.log.source, f.world, e.misreports(), e.micro_steps, f.accum, e.per_gpu, mfu,
-            step_ms, "logged" if f.step_s else "derived from the logged rate", e.plausibility, e.dense_share,
-            printed.dense_share if printed else None, why(f, e, printed), e.items, f.gpu, f.peak_dense,
-            f.flops_dense, f.flops_basis, amb, dict(f.log.overrides), list(f.log.notes), f.steady_entries,
-            f.only_warmup))
-    sources = {r.source for r in runs}
-    found = {m: [r.source for r in runs if m in r.reading] for m in MISREPORTS}
-    fixes = [MISREPORTS[m][1] + (f" ({', '.join(dict.fromkeys(where))} logs)" if len(sources) > 1 else "")
-             for m, where in found.items() if where]
-    return Reconstruction(runs, fixes)
+            others[i] = list(alts.values())
+    runs = [reading_of(f, chosen[i], others[i], tol, suspect_share) for i, f in enumerate(facts)]
+    alternatives = []
+    for idx, same in groups:
+        for alt in same:
+            evs = dict(chosen) | {i: alt[j] for j, i in enumerate(idx)}
+            alt_runs = [reading_of(f, evs[i], [], tol, suspect_share) for i, f in enumerate(facts)]
+            alternatives.append(Reconstruction(alt_runs, fixes_of(alt_runs)))
+    return Reconstruction(runs, fixes_of(runs), alternatives, ranking, list(dict.fromkeys(flags)),
+                          list(dict.fromkeys(needs)))

@@ -81,11 +81,18 @@ def markdown(a: Analysis) -> str:
     top = a.findings[0]
     effs = {row["run"]: row for row in a.scaling["runs"]}
     md = [f"# {a.headline()}", ""]
-    if a.settle_with:
-        md += [f"**To settle it:** rerun diagnose with {a.settle_with}.", ""]
+    if a.settle:
+        md += [f"**To settle it:** {a.settle}.", ""]
+    if len(a.verdicts) > 1:
+        md += ["Readings that fit the logs equally, each with its verdict (the reconstruction below gives them): "
+               + " ".join(f"({i}) `{v}`: {t}" for i, (v, t) in
+                          enumerate([(a.verdict, top.title)] + [(o.verdict, o.summary) for o in a.others], 1)), ""]
     md += [top.title, "", f"**Next check:** {top.next_check}", "",
            f"**Confidence: {a.confidence}.**" + "".join(" " + r[0].upper() + r[1:] + "." for r in a.confidence_reasons),
            ""]
+    if a.reconstruction and a.reconstruction.ranking:
+        md += ["**Why this reading:** " + " ".join(r.text[0].upper() + r.text[1:] + "." for r in a.reconstruction.ranking),
+               ""]
     if len(a.findings) > 1:
         md += ["Also found: " + "; ".join(f"`{f.kind}` (severity {f.severity}{', ' + f.run if f.run else ''})"
                                           for f in a.findings[1:]) + ".", ""]
@@ -94,13 +101,17 @@ def markdown(a: Analysis) -> str:
     rows = []
     for r in a.runs:
         e = effs[r.label]
-        rows.append([r.label, f"`{Path(r.path).name}`", f"{r.local_batch} x {r.accum} x {r.seq_len}",
+        rows.append([r.label, r.ran, f"`{Path(r.path).name}`", f"{r.local_batch} x {r.accum} x {r.seq_len}",
                      num(r.tokens_per_step), num(r.step_ms), num(r.tokens_per_sec, 0), num(r.tokens_per_sec_logged, 0),
                      num(r.per_gpu, 0), "n/a" if e["efficiency"] is None else f"{e['efficiency']:.0%}",
                      num(r.mfu_logged, 2), num(r.memory_gb, 2)])
-    md += table(["run", "log", "local batch x accum x seq", "tokens/step", "step time (ms)",
-                 "tokens/s (from step time)", "tokens/s (logged)", "tokens/s per GPU", "scaling efficiency",
-                 "MFU logged (%)", "peak memory (GB)"], rows)
+    md += table(["run", "ran", "log", "local batch x accum x seq", "tokens/step", "step time (ms, median)",
+                 "tokens/s (tokens/step / median step time)", "tokens/s (logged, steady mean)",
+                 "tokens/s per GPU (from step time)", "scaling efficiency", "MFU logged (%, steady mean)",
+                 "peak memory (GB)"], rows)
+    md += ["Two rules, each named in its column: the analysis rests on the median step time (a stray slow entry "
+           "does not move it); the logged figures are the steady entries' mean, the run's throughput as "
+           "`titanlite.tools.compare` and the Trainer's summary report it.", ""]
     md += ["## Findings, ranked", ""]
     for i, f in enumerate(a.findings, 1):
         md += [f"### {i}. `{f.kind}`, severity {f.severity}", "", f.title, "", "- Evidence:"]
@@ -123,8 +134,8 @@ def markdown(a: Analysis) -> str:
     s = a.scaling
     md += ["## Scaling efficiency", "", f"Mode: **{s['mode'].replace('_', ' ')}** (baseline {s['baseline']}). "
            f"{s['definition']}. Basis: {s['basis']}.", ""]
-    md += table(["run", "GPUs", "tokens/step", "step time (ms)", "tokens/s", "tokens/s per GPU", "efficiency",
-                 "efficiency from logged tokens/s"],
+    md += table(["run", "GPUs", "tokens/step", "step time (ms, median)", "tokens/s (from step time)",
+                 "tokens/s per GPU (from step time)", "efficiency", "efficiency from logged tokens/s (steady mean)"],
                 [[row["run"], row["world_size"], num(row["tokens_per_step"]), num(row["step_ms"]),
                   num(row["tokens_per_sec"], 0), num(row["tokens_per_sec_per_gpu"], 0),
                   "n/a" if row["efficiency"] is None else f"{row['efficiency']:.1%}",
@@ -157,19 +168,23 @@ def to_json(a: Analysis) -> dict:
         "confidence_reasons": a.confidence_reasons,
         "confidence_causes": [{"run": r.run, "cause": r.cause, "flags": list(r.flags)} for r in a.reasons],
         "settle_with": a.settle_with,
+        "settle_logs": a.settle_logs,
+        "verdicts": a.verdicts,
+        "other_readings": [o.to_json() for o in a.others],
         "findings": [f.to_json() for f in a.findings],
         "reconstruction": None if a.reconstruction is None else {
             "runs": [rr.to_json() for rr in a.reconstruction.runs],
             "scaling_efficiency": largest_efficiency(a),
             "scaling_mode": a.scaling["mode"],
-            "logger_fixes": a.reconstruction.fixes},
+            "logger_fixes": a.reconstruction.fixes,
+            "ranking": [r.to_json() for r in a.reconstruction.ranking]},
         "scaling_efficiency": a.scaling,
         "like_for_like": [asdict(row) for row in a.like_for_like],
         "self_consistency": {label: [asdict(c) for c in checks] for label, checks in a.consistency.items()},
         "warmup_rule": WARMUP_RULE,
         "notes": a.notes,
         "link_gbps_assumed": a.gbps,
-        "runs": [{"run": r.label, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
+        "runs": [{"run": r.label, "ran": r.ran, "path": r.path, "world_size": r.world, "local_batch": r.local_batch,
                   "accumulation": r.accum, "global_batch": r.global_batch, "seq_len": r.seq_len,
                   "micro_steps_per_step": r.accum, "step_ms": r.step_ms, "tokens_per_sec": r.tokens_per_sec,
                   "tokens_per_sec_logged": r.tokens_per_sec_logged, "mfu_logged": r.mfu_logged,

@@ -1,8 +1,10 @@
 """Diagnose's view of a run: steady-state step time, work per step and per-rank phases.
 
 Logs are read by titanlite.diagnose.readers (any supported format) and split into warm-up and
-steady state by the run log's one rule (titanlite.metrics.run_log.steady); each figure is the
-median over the steady entries. The work per step is what the reconstruction chose
+steady state by the run log's one rule (titanlite.metrics.run_log.steady). The step time and phase
+times the analysis rests on are medians over the steady entries (a stray slow entry does not move
+them); the logged rates and MFU, the run's throughput as every tool reports it, are their means
+(run_log.THROUGHPUT_RULE). The work per step is what the reconstruction chose
 (titanlite.diagnose.reconstruct): the printed accumulation unless the log's other figures show the
 GPUs ran something else.
 """
@@ -16,10 +18,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titanlite.metrics.run_log import STEADY_RULE, LoggedRun, RunLogError, steady
+from titanlite.metrics.run_log import STEADY_RULE, THROUGHPUT_RULE, LoggedRun, RunLogError, ran, steady, throughput
 
 PHASES = ("data", "compute", "comm", "optimizer", "idle")
-WARMUP_RULE = STEADY_RULE + "; each figure is the median over the steady entries"
+WARMUP_RULE = (STEADY_RULE + ". Step time and phase times are medians over the steady entries (a stray slow entry "
+               "does not move them); the logged tokens/s and MFU are their means, the run's throughput as every "
+               "tool reports it (" + THROUGHPUT_RULE + ")")
 
 
 # unreadable or incompatible input: the message is one line naming the file(s) and the cause
@@ -83,8 +87,9 @@ class Run:
 
     @property
     def tokens_per_sec_logged(self) -> float | None:
-        total = median(e.get("tokens_per_sec") for e in self.entries)
-        per_gpu = median(e.get("tokens_per_sec_per_gpu") for e in self.entries)
+        """The logged rate, all GPUs, by the run log's throughput rule (the steady entries' mean)."""
+        rates = throughput(self.entries)
+        total, per_gpu = rates["tokens_per_sec"], rates["tokens_per_sec_per_gpu"]
         return total if total is not None else None if per_gpu is None else per_gpu * self.world
 
     @property
@@ -93,7 +98,13 @@ class Run:
 
     @property
     def mfu_logged(self) -> float | None:
-        return median(e.get("mfu") for e in self.entries)
+        """The logged MFU (%) by the run log's throughput rule."""
+        return throughput(self.entries)["mfu_pct"]
+
+    @property
+    def ran(self) -> str:
+        """What the run ran, from its configuration (titanlite.metrics.run_log.ran)."""
+        return ran(self.config, self.model, self.hardware)
 
     @property
     def memory_gb(self) -> float | None:

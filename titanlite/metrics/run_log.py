@@ -14,8 +14,9 @@ temporary file and rename it over the log (atomic on POSIX).
 
 Readers: `load` / `load_all` give `LoggedRun`s (the tools load through them; diagnose's readers of
 other formats fill the same type), `steady` splits a run's entries into warm-up and steady state
-(every reader of a log, the Trainer's summary included, uses it), and `summarize` gives the
-end-of-run figures over the steady entries.
+(every reader of a log, the Trainer's summary included, uses it), `throughput` gives a run's rates
+by the one throughput rule (THROUGHPUT_RULE), `summarize` the end-of-run figures, and `ran` says what
+a run ran, from its resolved configuration (the tools' and reports' label of a run).
 """
 
 from __future__ import annotations
@@ -145,18 +146,28 @@ def mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+THROUGHPUT_RULE = ("a run's tokens/s (all GPUs and per GPU), MFU and step time are the means of its steady "
+                   "entries' logged figures (every entry covers the same number of steps); every tool that "
+                   "reports a run's throughput uses this rule")
+
+
+def throughput(steady_entries: list[dict]) -> dict[str, float | None]:
+    """A run's rates by THROUGHPUT_RULE, from entries already split by the steady-state rule:
+    tokens_per_sec, tokens_per_sec_per_gpu, mfu_pct, step_ms (None where no entry logs the figure)."""
+    return {"tokens_per_sec": mean(e.get("tokens_per_sec") for e in steady_entries),
+            "tokens_per_sec_per_gpu": mean(e.get("tokens_per_sec_per_gpu") for e in steady_entries),
+            "mfu_pct": mean(e.get("mfu") for e in steady_entries),
+            "step_ms": mean(e.get("time_ms") for e in steady_entries)}
+
+
 def summarize(iterations: list[dict], config: dict | None = None, warmup_steps: int | None = None) -> dict:
-    """End-of-run figures: the last loss; over the steady entries the mean tokens/s (all GPUs and
-    per GPU), MFU (%) and step time; the largest peak memory of the whole run. Figures a log does not
+    """End-of-run figures: the last loss; the run's throughput (THROUGHPUT_RULE: tokens/s all GPUs and
+    per GPU, MFU (%), step time); the largest peak memory of the whole run. Figures a log does not
     have are left out rather than given as None."""
     if not iterations:
         return {}
     st = steady(iterations, config, warmup_steps).entries
-    out = {"final_loss": iterations[-1].get("loss"),
-           "tokens_per_sec": mean(e.get("tokens_per_sec") for e in st),
-           "tokens_per_sec_per_gpu": mean(e.get("tokens_per_sec_per_gpu") for e in st),
-           "mfu_pct": mean(e.get("mfu") for e in st),
-           "step_ms": mean(e.get("time_ms") for e in st),
+    out = {"final_loss": iterations[-1].get("loss"), **throughput(st),
            "peak_memory_gb": max((e["memory_peak_gb"] for e in iterations if e.get("memory_peak_gb") is not None),
                                  default=None),
            "peak_reserved_gb": max((v for e in iterations if (v := e.get("memory_reserved_peak_gb",
@@ -192,20 +203,34 @@ class LoggedRun:
 
     @property
     def label(self) -> str:
-        """job.description if set, else the seed guides' naming (the earlier trainer's analysis snippets):
-        compile / DL / CG options joined, or 'baseline'."""
-        cfg = self.config
-        if cfg.get("job.description"):
-            return cfg["job.description"]
-        opts = [name for key, name in (("compile", "compile"), ("use_dataloader", "DL"), ("use_cuda_graphs", "CG"))
-                if cfg.get(key)]
-        return "+".join(opts) if opts else "baseline"
+        """What the run ran (`ran`): the tools' and reports' name for it."""
+        return ran(self.config, self.model, self.hardware)
 
     def steady(self, warmup_steps: int | None = None) -> Steady:
         return steady(self.iterations, self.config, warmup_steps)
 
     def summarize(self, warmup_steps: int | None = None) -> dict:
         return summarize(self.iterations, self.config, warmup_steps)
+
+
+def ran(config: dict, model: dict | None = None, hardware: dict | None = None) -> str:
+    """What a run ran, from its resolved configuration, never from its free-text description (a preset's
+    description stays as it was when options change the run): model, dataset and its path,
+    data-parallel mode and world size, and compile / CUDA graphs where on; e.g. 'llama/debug,
+    prepared data/mycorpus, fsdp, 2 GPUs, compile'. What a log does not record is left out."""
+    model = model or {}
+    name, flavor = config.get("model.name", model.get("name")), config.get("model.flavor", model.get("flavor"))
+    parts = [f"{name}/{flavor}" if name and flavor else name or ""]
+    if dataset := config.get("training.dataset"):
+        parts.append(f"{dataset} {config['training.dataset_path']}" if config.get("training.dataset_path") else dataset)
+    world = config.get("world_size")
+    if isinstance(world, int) and world > 1 and config.get("data_parallel"):
+        parts.append(str(config["data_parallel"]))
+    if isinstance(world, int):
+        unit = "GPU" if (hardware or {}).get("device", "cuda") == "cuda" else "rank"
+        parts.append(f"{world} {unit}{'s' if world != 1 else ''}")
+    parts += [what for key, what in (("compile", "compile"), ("use_cuda_graphs", "CUDA graphs")) if config.get(key)]
+    return ", ".join(p for p in parts if p) or "run"
 
 
 def from_dict(path: Path, data: Any, source: str = "titanlite") -> LoggedRun:

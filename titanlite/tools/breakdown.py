@@ -18,7 +18,7 @@ FIELDS = ("step_ms", "data_ms", "compute_ms", "comm_ms", "optimizer_ms", "idle_m
 
 def table(run: LoggedRun, warmup: int | None = None) -> list[str]:
     """The lines printed for one run."""
-    lines = [f"== {run.path} ({run.label}, {run.config.get('world_size')} ranks)",
+    lines = [f"== {run.path} ({run.label})",
              f"{'iter':>6} {'rank':>4} " + " ".join(f"{f[:-3]:>10}" for f in FIELDS)
              + f" {'sum/step':>9} {'covered':>8} slowest"]
     worst, method = 0.0, None

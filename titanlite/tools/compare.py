@@ -1,8 +1,11 @@
 """Compare runs in the seed guides' table: python -m titanlite.tools.compare RUN_OR_DIR... [--warmup N] [--csv FILE]
 
-Columns: Config (label), GPUs, BS (local batch), GA (accumulation), MFU (mean %), Tokens/s (mean,
-all GPUs), Peak GB (max over the run), Loss (last), Run (file name). Means are over the steady
-entries (titanlite.metrics.run_log.steady); --warmup N counts steps up to N as warm-up instead.
+Columns: Config (what the run ran, from its resolved configuration: model, dataset and path,
+data-parallel mode, world size, compile / CUDA graphs; titanlite.metrics.run_log.ran), GPUs, BS
+(local batch), GA (accumulation), MFU (%) and Tokens/s (all GPUs) by the run log's throughput rule
+(the steady entries' mean, as the Trainer's summary and diagnose report them:
+titanlite.metrics.run_log.THROUGHPUT_RULE), Peak GB (max over the run), Loss (last), Run (file
+name). --warmup N counts steps up to N as warm-up instead of the steady-state rule's cutoff.
 """
 
 from __future__ import annotations
@@ -11,16 +14,15 @@ import argparse
 import csv
 import sys
 
-from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, mean
+from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, throughput
 
 COLUMNS = ("Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak GB", "Loss", "Run")
 
 
 def row(run: LoggedRun, warmup: int | None) -> dict:
-    cfg, steady = run.config, run.steady(warmup).entries
+    cfg, rates = run.config, throughput(run.steady(warmup).entries)
     return {"Config": run.label, "GPUs": cfg.get("world_size"), "BS": cfg.get("batch_size"),
-            "GA": cfg.get("gradient_accumulation_steps"), "MFU": mean(e.get("mfu") for e in steady),
-            "Tokens/s": mean(e.get("tokens_per_sec") for e in steady),
+            "GA": cfg.get("gradient_accumulation_steps"), "MFU": rates["mfu_pct"], "Tokens/s": rates["tokens_per_sec"],
             "Peak GB": max((e.get("memory_peak_gb") or 0.0) for e in run.iterations),
             "Loss": run.iterations[-1].get("loss"), "Run": run.path.name}
 
