@@ -217,6 +217,25 @@ def test_cannot_fit_is_a_config_error():
         estimate(cfg, progress=lambda m: None)
 
 
+def test_advice_never_names_the_configuration_it_refused():
+    """llama/8B with an oversized vocabulary on 8 GPUs: the flavors the advice weighs keep this run's
+    vocabulary (8B with its own would look smaller than itself), and the refused flavor is not one."""
+    from estimation.estimate import estimate, floor_bytes
+    from titanlite.models import MODEL_REGISTRY
+
+    cfg = load_config(["--model.flavor", "8B", "--model.vocab_size", "10000000", "--estimate.ngpu", "8"])
+    with pytest.raises(ConfigError) as e:
+        estimate(cfg, progress=lambda m: None)
+    head, advice = str(e.value).split("what could: ")
+    assert head.startswith("llama/8B (fsdp, 8 x h100) does not fit")
+    assert "llama/8B" not in advice and "\n" not in advice
+    named = advice.split("a smaller model (llama/")[1].split(" ")[0]
+    assert named in MODEL_REGISTRY["llama"].flavors and "with model.vocab_size 10000000" in advice
+    assert get_model_args("llama", named, 10_000_000).num_params() < get_model_args("llama", "8B", 10_000_000).num_params()
+    assert "model.vocab_size 128256 or less" in advice  # the flavor's own vocabulary fits 8 GPUs with fsdp
+    assert floor_bytes(get_model_args("llama", "8B"), 2048, "fsdp", 8) < 78 * 2**30
+
+
 def test_allocator_headroom_by_mode():
     """-1 (the default) takes the reserved/allocated headroom measured for the data-parallel mode;
     any other value is used as given."""
