@@ -109,10 +109,11 @@ def _convert(key: str, tp, value: Any, text: bool = False) -> Any:
 
 def _check_bounds(key: str, f: dataclasses.Field, value: Any) -> None:
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
     if lo is not None and value < lo:
-        raise ConfigError(f"{key} must be >= {lo}; got {value}")
+        raise ConfigError(f"{key} must be >= {lo}; got {value}{why}")
     if hi is not None and value > hi:
-        raise ConfigError(f"{key} must be <= {hi}; got {value}")
+        raise ConfigError(f"{key} must be <= {hi}; got {value}{why}")
 
 
 def _lookup(section: str, key: str):
