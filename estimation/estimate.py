@@ -147,12 +147,18 @@ def what_could_fit(cfg, args, world: int, budget_of) -> str:
     if n:
         out.append(f"at least {n} GPUs with {sharded} (model state {size(model_state_floor(args.num_params(), sharded, n))} "
                    f"per GPU there)")
-    spec = MODEL_REGISTRY[cfg.model.name]
-    smaller = [f for f, a in sorted(spec.flavors.items(), key=lambda fa: -fa[1].num_params())
-               if a.num_params() < args.num_params()
-               and floor_bytes(a, seq, data_parallel_mode(cfg, world), world, moments) <= budget_of(world)]
+    # other flavors with this run's vocabulary (a tokenizer's size stays); never the flavor refused here
+    name, mode, vocab = cfg.model.name, data_parallel_mode(cfg, world), cfg.model.vocab_size
+    fits_here = lambda a: floor_bytes(a, seq, mode, world, moments) <= budget_of(world)
+    others = {f: get_model_args(name, f, vocab) for f in MODEL_REGISTRY[name].flavors if f != cfg.model.flavor}
+    smaller = [f for f, a in sorted(others.items(), key=lambda fa: -fa[1].num_params())
+               if a.num_params() < args.num_params() and fits_here(a)]
     if smaller:
-        out.append(f"a smaller model ({cfg.model.name}/{smaller[0]} fits the same setup)")
+        out.append(f"a smaller model ({name}/{smaller[0]}" + (f" with model.vocab_size {vocab}" if vocab else "")
+                   + " fits the same setup)")
+    own = get_model_args(name, cfg.model.flavor)
+    if vocab > own.vocab_size and fits_here(own):
+        out.append(f"model.vocab_size {own.vocab_size} or less (the flavor's own; the model state then fits)")
     return "; ".join(out) if out else "nothing in titanlite's registry fits this GPU"
 
 

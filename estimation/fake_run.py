@@ -35,6 +35,7 @@ from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import computes_bf16, data_parallel_mode, hsdp_shape
 from titanlite.step import StepHooks, build_train_step
 
+from estimation.fsdp_shards import fsdp_chunks_on_demand
 from estimation.tracker import StepTracker, view_bytes
 
 WARMUP_SEQ = 16  # the warm-up step only has to create optimizer state and DDP buckets
@@ -348,7 +349,7 @@ class FakeRun:
             from estimation.compiled import capture_compile
 
             self._stack.enter_context(capture_compile())
-        with self._active(), _init_without_values(), _float8_as_on_the_gpu():
+        with self._active(), _init_without_values(), _float8_as_on_the_gpu(), fsdp_chunks_on_demand():
             self.tracker.count_work = False
             self.model = model = parallelize(model, run_cfg, self.dims, wrap=self._wrap)
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)

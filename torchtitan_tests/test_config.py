@@ -114,6 +114,34 @@ def test_non_finite_number_in_toml(tmp_path):
         load_config(["--job.config_file", str(p)])
 
 
+@pytest.mark.parametrize("section, line, key, value, wanted", [
+    ("training", 'steps = "5"', "training.steps", "'5'", "an integer"),
+    ("compile", 'enable = "yes"', "compile.enable", "'yes'", "true or false"),
+    ("compile", 'enable = "true"', "compile.enable", "'true'", "true or false"),
+    ("optimizer", 'lr = "3e-4"', "optimizer.lr", "'3e-4'", "a number"),
+])
+def test_toml_strings_are_not_numbers_or_booleans(tmp_path, section, line, key, value, wanted):
+    """TOML has types: a quoted value is a string, refused where a number or a boolean is due, as the
+    command line refuses --compile.enable=maybe; on the command line, where every value is text, the
+    same strings convert."""
+    p = tmp_path / "typed.toml"
+    p.write_text(f"[{section}]\n{line}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(["--job.config_file", str(p)])
+    msg = str(e.value)
+    assert "typed.toml" in msg and key in msg and value in msg and wanted in msg and "\n" not in msg
+    cli_value = line.split(" = ")[1].strip('"')
+    assert load_config([f"--{key}", cli_value]) == load_config([f"--{key}={cli_value}"])
+    r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--job.config_file", str(p)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and key in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_text_converts_to_each_type():
+    cfg = load_config(["--training.steps", "5", "--compile.enable", "yes", "--optimizer.lr", "3e-4"])
+    assert (cfg.training.steps, cfg.compile.enable, cfg.optimizer.lr) == (5, True, 3e-4)
+
+
 def test_config_file_inside_a_config_file_is_refused(tmp_path):
     """One file is read: a config_file key inside it would be silently ignored, so it is refused."""
     (tmp_path / "base.toml").write_text("[training]\nsteps = 3\n")

@@ -1,5 +1,6 @@
 """estimation/: fake-tensor dry runs (memory by category, batch search, throughput model, CLI)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from conftest import ROOT
 
 from titanlite.config import ConfigError, load_config
+from titanlite.config.job_config import Estimate
 from titanlite.models import get_model_args
 
 # debug shapes with a large vocabulary, so per-tensor 512-byte rounding stays far below 1%
@@ -19,6 +21,9 @@ BASE = ["--model.flavor", "debug", "--model.vocab_size", "32768", "--training.se
 
 def _cfg(*extra):
     return load_config(BASE + list(extra))
+
+
+MAX_RANKS = next(f for f in dataclasses.fields(Estimate) if f.name == "ngpu").metadata["max"]
 
 
 @pytest.mark.parametrize("mode,world", [("none", 1), ("ddp", 2), ("ddp", 8), ("ddp_copy", 2), ("fsdp", 2),
@@ -152,6 +157,56 @@ def test_dtensor_shape_propagation_is_not_counted(monkeypatch):
     assert first == second < 2**28
 
 
+def test_lazy_chunks_are_fsdps_chunks():
+    """FakeRun hands FSDP its chunks of a parameter one at a time, built when read: each is the one
+    FSDP's own _chunk_with_empty makes (torch.chunk, padded with empty tensors to one per rank)."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from estimation.fsdp_shards import LazyChunks
+
+    for rows, ranks in [(5, 4), (3, 8), (8, 3), (7, 7), (32000, 16384), (1, 2)]:
+        t = torch.arange(rows * 3.0).view(rows, 3)
+        want, got = _chunk_with_empty(t, ranks, 0), LazyChunks(t, ranks, 0)
+        assert len(got) == len(want) == ranks
+        for i in {0, 1, ranks // 2, ranks - 1}:
+            assert got[i].shape == want[i].shape and torch.equal(got[i], want[i]), (rows, ranks, i)
+            assert got[i].numel() == 0 or got[i].data_ptr() == want[i].data_ptr()  # a view, as torch.chunk's
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp", "zero1", "ddp"])
+def test_fake_run_cost_does_not_grow_with_the_rank_count(mode):
+    """The fake run builds rank 0's shard of each parameter, not every rank's, which grew with the rank
+    count (16384 ranks took five minutes with fsdp for the debug model). Build and one step at the
+    largest count cost about what they cost at 8 ranks."""
+    import time
+
+    from estimation.fake_run import FakeRun
+
+    def seconds(world):
+        t0 = time.perf_counter()
+        run = FakeRun(_cfg("--parallelism.data_parallel", mode, "--parallelism.shard_degree", "8"), world)
+        run.step(2)
+        run.close()
+        return time.perf_counter() - t0
+
+    seconds(8)  # imports and first-time caches out of the comparison
+    small = seconds(8)
+    big = seconds(MAX_RANKS)
+    assert big < 2 * small + 5, (small, big)
+
+
+def test_a_rank_count_beyond_the_model_is_refused_in_one_line(tmp_path):
+    """--estimate.ngpu 100000 ran on for more than ten minutes after its "building" line; now any count
+    up to the largest the dry run models finishes (above), and a larger one is refused at once."""
+    assert MAX_RANKS >= 4096  # 512 nodes of 8 GPUs
+    p = _cli("--estimate.ngpu", "100000", "--model.flavor", "1.36B", tmp=tmp_path)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.splitlines() == [
+        f"error: estimate.ngpu must be <= {MAX_RANKS}; got 100000 (the largest count the dry run models within about "
+        f"a minute: zero1's partition of the parameters and hsdp's device mesh are built for every rank)"]
+
+
 def test_largest_batch_search():
     from estimation.estimate import _Fits, largest_batch
 
@@ -215,6 +270,26 @@ def test_cannot_fit_is_a_config_error():
     cfg = _cfg("--estimate.hardware", "a6000", "--estimate.reserved_gib", "47.5")
     with pytest.raises(ConfigError, match=r"does not fit even at local batch 1: .* GiB > 0\.04 GiB usable of 47\.54 GiB"):
         estimate(cfg, progress=lambda m: None)
+
+
+def test_advice_never_names_the_configuration_it_refused():
+    """llama/8B with an oversized vocabulary on 8 GPUs: the flavors the advice weighs keep this run's
+    vocabulary (8B with its own would look smaller than itself), and the refused flavor is not one."""
+    from estimation.estimate import estimate, floor_bytes
+    from titanlite.models import MODEL_REGISTRY
+
+    cfg = load_config(["--model.flavor", "8B", "--model.vocab_size", "10000000", "--estimate.ngpu", "8"])
+    with pytest.raises(ConfigError) as e:
+        estimate(cfg, progress=lambda m: None)
+    head, advice = str(e.value).split("what could: ")
+    assert head.startswith("llama/8B (fsdp, 8 x h100) does not fit")
+    assert "llama/8B" not in advice and "\n" not in advice
+    named = advice.split("a smaller model (llama/")[1].split(" ")[0]
+    assert named in MODEL_REGISTRY["llama"].flavors and "with model.vocab_size 10000000" in advice
+    assert get_model_args("llama", named, 10_000_000).num_params() < get_model_args("llama", "8B", 10_000_000).num_params()
+    own = get_model_args("llama", "8B")  # with its own vocabulary the flavor fits 8 GPUs with fsdp
+    assert floor_bytes(own, cfg.training.seq_len, "fsdp", 8) < 78 * 2**30
+    assert f"model.vocab_size {own.vocab_size} or less" in advice
 
 
 def test_allocator_headroom_by_mode():

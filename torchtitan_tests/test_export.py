@@ -14,7 +14,6 @@ from titanlite.train import Trainer
 
 from conftest import ROOT
 
-transformers = pytest.importorskip("transformers")
 
 
 def args(folder, name: str, *extra: str) -> list[str]:
@@ -31,6 +30,7 @@ def export(*argv) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name,hf_class", [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_export_matches_transformers_and_loads_back(tmp_cache, name, hf_class):
+    transformers = pytest.importorskip("transformers")
     t = Trainer(load_config(args(tmp_cache / "run", name, "--checkpoint.enable")))
     t.train()  # two steps: weights away from their initialisation; the final save is step-2
     t.close()
@@ -78,3 +78,45 @@ def test_export_errors(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: --checkpoint '{tmp_path}' holds no complete checkpoint "
                                              f"(a step-N folder with complete.json)"]
+
+
+def test_export_refuses_an_existing_output_and_writes_every_file_alike(tmp_cache):
+    """As data.prepare: an existing export is replaced only with --overwrite (whole, nothing left of
+    it), any other non-empty folder never; one line, exit code 2, nothing touched. Every file gets the
+    umask's mode (safetensors' own writer made model.safetensors 0600)."""
+    import os
+    import stat
+
+    t = Trainer(load_config(args(tmp_cache / "run", "llama", "--checkpoint.enable")))
+    t.train()
+    t.close()
+    ckpt, hf_dir = tmp_cache / "run" / "checkpoint", tmp_cache / "hf"
+    umask = os.umask(0o022)
+    try:
+        assert export("--checkpoint", ckpt, "--output", hf_dir).returncode == 0
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in hf_dir.iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+        before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+
+        r = export("--checkpoint", ckpt, "--output", hf_dir, "--dtype", "bfloat16")
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            f"error: output folder {hf_dir} already holds a Hugging Face model; pass --overwrite to replace it"]
+        assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before
+
+        other = tmp_cache / "notes"
+        other.mkdir()
+        (other / "mine.txt").write_text("keep")
+        r = export("--checkpoint", ckpt, "--output", other, "--overwrite")
+        assert r.returncode == 2 and r.stderr.splitlines() == [
+            f"error: output folder {other} is not empty and holds no Hugging Face model; choose a new folder"]
+        assert [p.name for p in other.iterdir()] == ["mine.txt"]
+
+        (hf_dir / "stale.bin").write_bytes(b"x")  # replaced whole: nothing of the old export stays
+        r = export("--checkpoint", ckpt, "--output", hf_dir, "--dtype", "bfloat16", "--overwrite")
+        assert r.returncode == 0, r.stderr
+        assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+        assert "stale.bin" not in {p.name for p in hf_dir.iterdir()}
+        assert {stat.S_IMODE(p.stat().st_mode) for p in hf_dir.iterdir()} == {0o644}
+        assert sorted(p.name for p in tmp_cache.iterdir()) == ["hf", "notes", "run"]  # no staging left
+    finally:
+        os.umask(umask)

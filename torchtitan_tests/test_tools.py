@@ -215,3 +215,56 @@ def test_one_throughput_rule_in_every_tool(tmp_path):
     assert run_log.THROUGHPUT_RULE in rep["warmup_rule"]
     md = (tmp_path / "d" / "report.md").read_text()
     assert "tokens/s (logged, steady mean)" in md and "step time (ms, median)" in md
+
+
+# Every `python -m` command of the project; none may need an optional package to start.
+ENTRY_POINTS = ["titanlite.train", "titanlite.config.check", "titanlite.tools.plot", "titanlite.tools.compare",
+                "titanlite.tools.breakdown", "titanlite.diagnose", "titanlite.checkpoint.export",
+                "titanlite.data.prepare", "estimation", "estimation.calibrate"]
+OPTIONAL_MODULES = ["matplotlib", "pyarrow", "wandb", "flash_attn", "pynvml", "transformers"]
+
+
+def _run_without(blocked: list[str], module: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    """`python -m module args` in an interpreter where the `blocked` packages are not installed (None in
+    sys.modules: importing one raises ModuleNotFoundError, importlib.util.find_spec answers None)."""
+    code = (f"import runpy, sys; sys.modules.update(dict.fromkeys({blocked!r})); "
+            f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_the_optional_packages_are_the_extras_of_pyproject():
+    """The install line a missing package's message gives names an extra that installs that package."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    from titanlite.errors import OPTIONAL
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for module, (package, extra) in OPTIONAL.items():
+        assert [r for r in extras[extra] if r.split(">")[0].split("=")[0].strip() == package], (module, extra)
+
+
+@pytest.mark.parametrize("blocked, module, args, needle", [
+    ("matplotlib", "titanlite.tools.plot", ["RUN.json", "--out", "plots"],
+     "python -m titanlite.tools.plot needs matplotlib, which is not installed (pip install -e '.[plot]'"),
+    ("pyarrow", "titanlite.data.prepare", ["--input", "corpus.parquet", "--output", "shards", "--train-tokenizer",
+                                           "--vocab-size", "300"],
+     "reading corpus.parquet needs pyarrow, which is not installed (pip install -e '.[parquet]'"),
+    ("wandb", "titanlite.config.check", ["--metrics.enable_wandb"],
+     "metrics.enable_wandb needs wandb, which is not installed (pip install -e '.[wandb]'"),
+])
+def test_a_missing_optional_package_is_one_line_naming_what_to_install(blocked, module, args, needle, tmp_path):
+    (tmp_path / "corpus.parquet").write_bytes(b"PAR1")
+    r = _run_without([blocked], module, *args, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: " + needle), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.parquet"]  # nothing written
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_command_starts_without_the_optional_packages(module):
+    r = _run_without(OPTIONAL_MODULES, module, "--help")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -1,12 +1,13 @@
 """Export a DCP checkpoint's model to a Hugging Face folder (safetensors + config.json [+ tokenizer]).
 
-    python -m titanlite.checkpoint.export --checkpoint DIR --output HF_DIR [--dtype float32|bfloat16]
+    python -m titanlite.checkpoint.export --checkpoint DIR --output HF_DIR [--dtype float32|bfloat16] [--overwrite]
 
 DIR is one `step-N` folder, or a checkpoint folder (its newest complete step is taken). The result
 loads with transformers' LlamaForCausalLM / Qwen3ForCausalLM (AutoModelForCausalLM) and with
 titanlite's `--checkpoint.initial_load_path HF_DIR`. Runs in one process on CPU; every file of the
 checkpoint is checked against the sizes and checksums in its complete.json first, then only the
-model's tensors are read.
+model's tensors are read. HF_DIR must be new or empty; --overwrite replaces an earlier export there
+(a folder with config.json), whole and only once the new one is written (titanlite.output_folder).
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def export(checkpoint: str, output: str, dtype: str = "float32") -> Path:
-    from titanlite.checkpoint.hf import export_hf
+def export(checkpoint: str, output: str, dtype: str = "float32", overwrite: bool = False) -> Path:
+    from titanlite.checkpoint.hf import HF_MARKER, HF_WHAT, export_hf
     from titanlite.checkpoint.integrity import verify
     from titanlite.checkpoint.layout import read_marker
     from titanlite.models.args import ModelArgs
+    from titanlite.output_folder import check_output
 
     folder = resolve_step_folder(checkpoint)
+    check_output(Path(output), overwrite, HF_MARKER, HF_WHAT)  # before the checkpoint is read
     marker = read_marker(folder)
     if problem := verify(folder, marker):  # sizes and checksums of every file, before any is read
         raise ConfigError(f"checkpoint {folder} is damaged: {problem}")
@@ -67,7 +70,7 @@ def export(checkpoint: str, output: str, dtype: str = "float32") -> Path:
         raise ConfigError(f"{folder} records no model spec: re-save it with this version of titanlite")
     args = ModelArgs(**info["args"])
     return export_hf(load_model_state(folder), info["name"], args, info["max_seq_len"], output,
-                     DTYPES[dtype], marker.get("tokenizer", ""))
+                     DTYPES[dtype], marker.get("tokenizer", ""), overwrite)
 
 
 def main(argv: list[str]) -> None:
@@ -75,9 +78,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--checkpoint", required=True, help="step-N folder, or a checkpoint folder (newest step)")
     p.add_argument("--output", required=True, help="Hugging Face model folder to write")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="tensor dtype of the safetensors")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
     a = p.parse_args(argv)
     try:
-        out = export(a.checkpoint, a.output, a.dtype)
+        out = export(a.checkpoint, a.output, a.dtype, a.overwrite)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

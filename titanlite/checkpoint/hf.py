@@ -17,6 +17,7 @@ import torch
 from titanlite.config import ConfigError
 from titanlite.models import MODEL_REGISTRY
 from titanlite.models.args import ModelArgs
+from titanlite.output_folder import StagedFolder
 
 # titanlite name (with {i} for the block index) -> Hugging Face name.
 HF_NAMES = {
@@ -36,6 +37,7 @@ HF_NAMES = {
     "output.weight": "lm_head.weight",
 }
 SHARD_BYTES = 4 * 2**30  # safetensors shard size (Hugging Face's convention is a few GB per file)
+HF_MARKER, HF_WHAT = "config.json", "Hugging Face model"  # what an export folder holds, for --overwrite
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -135,8 +137,14 @@ def args_from_hf_config(cfg: dict) -> dict:
 
 
 def save_safetensors(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int = SHARD_BYTES) -> list[str]:
-    """Write `model.safetensors`, or numbered shards plus `model.safetensors.index.json` when large."""
-    from safetensors.torch import save_file
+    """Write `model.safetensors`, or numbered shards plus `model.safetensors.index.json` when large.
+
+    Each file is serialized in memory and written as the checkpoint's own files are (state_file), so
+    it gets the umask's mode like every other file: safetensors' save_file (0.8) writes through a
+    temporary file made for its owner alone (mode 0600) and renames it into place."""
+    from safetensors.torch import save
+
+    from titanlite.checkpoint.state_file import write_synced
 
     shards, current, size = [], {}, 0
     for name, t in state.items():
@@ -147,17 +155,15 @@ def save_safetensors(state: dict[str, torch.Tensor], folder: Path, shard_bytes: 
         current[name] = t.contiguous()
         size += nbytes
     shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, shard in zip(names, shards):
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        write_synced(folder / fname, save(shard, metadata={"format": "pt"}))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        weight_map = {k: fname for fname, shard in zip(names, shards) for k in shard}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return names
 
 
@@ -197,16 +203,18 @@ def write_tokenizer(tokenizer_path: str, folder: Path) -> dict:
 
 
 def export_hf(state: dict[str, torch.Tensor], model_name: str, args: ModelArgs, max_seq_len: int,
-              output: str | os.PathLike, dtype: torch.dtype = torch.float32, tokenizer_path: str = "") -> Path:
-    """Write a Hugging Face model folder (safetensors + config.json [+ tokenizer]) from full tensors."""
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    hf_state = {k: v.detach().to("cpu", dtype) for k, v in to_hf(state, args).items()}
-    save_safetensors(hf_state, folder)
-    tok = write_tokenizer(tokenizer_path, folder) if tokenizer_path and os.path.isfile(tokenizer_path) else None
-    config = hf_config(model_name, args, max_seq_len, dtype, tok)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
+              output: str | os.PathLike, dtype: torch.dtype = torch.float32, tokenizer_path: str = "",
+              overwrite: bool = False) -> Path:
+    """Write a Hugging Face model folder (safetensors + config.json [+ tokenizer]) from full tensors:
+    a new or empty folder, or with `overwrite` one holding an export (its config.json), replaced whole."""
+    with StagedFolder(output, overwrite, HF_MARKER, HF_WHAT) as staged:
+        folder = staged.path
+        hf_state = {k: v.detach().to("cpu", dtype) for k, v in to_hf(state, args).items()}
+        save_safetensors(hf_state, folder)
+        tok = write_tokenizer(tokenizer_path, folder) if tokenizer_path and os.path.isfile(tokenizer_path) else None
+        config = hf_config(model_name, args, max_seq_len, dtype, tok)
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+        return staged.commit()
 
 
 def load_hf_into(model: torch.nn.Module, folder: str | os.PathLike, model_info: dict) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
+from titanlite.errors import missing_package
 from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
 
 def gpu_capabilities() -> list[tuple[int, int]] | None:
@@ -46,7 +47,7 @@ def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
                           f"got '{ac.selective_option}'")
     for enabled, package in ((cfg.metrics.enable_tensorboard, "tensorboard"), (cfg.metrics.enable_wandb, "wandb")):
         if enabled and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"metrics.enable_{package} needs the {package} package (pip install {package})")
+            raise ConfigError(missing_package(package, f"metrics.enable_{package}"))
     if capabilities is None:
         return
     if cfg.float8.enable and not cfg.float8.emulate:

@@ -14,8 +14,8 @@ from typing import Literal
 
 
 def doc(default, help: str, **bounds):
-    """A dataclass field with its help text and optional numeric bounds (min/max, inclusive) or the
-    registry its value must be a key of (registry="module:attribute")."""
+    """A dataclass field with its help text and optional numeric bounds (min/max, inclusive, and why=
+    the reason a refusal gives) or the registry its value must be a key of (registry="module:attribute")."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **bounds})
     return field(default=default, metadata={"help": help, **bounds})
@@ -220,7 +220,9 @@ class Debug:
 @dataclass
 class Estimate:
     """Dry runs (python -m estimation): read by estimation/ only; training ignores this section."""
-    ngpu: int = doc(1, "GPUs the dry run models (world size of its fake process group)", min=1)
+    ngpu: int = doc(1, "GPUs the dry run models (world size of its fake process group)", min=1, max=16384,
+                    why="the largest count the dry run models within about a minute: zero1's partition of the "
+                        "parameters and hsdp's device mesh are built for every rank")
     hardware: str = doc("h100", "GPU by its key in titanlite/hardware.py (h100, h200, b200, a100, ...)")
     output: str = doc("", "JSON report path ('' = <job.dump_folder>/estimate.json)")
     search: bool = doc(True, "search the largest local batch that fits (one fake step per probe)")

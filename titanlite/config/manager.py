@@ -54,10 +54,14 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
-def _convert(key: str, tp, value: Any) -> Any:
-    """Convert a CLI string or a TOML value to `tp`, or raise ConfigError naming `key`."""
+def _convert(key: str, tp, value: Any, text: bool = False) -> Any:
+    """Convert a value to `tp`, or raise ConfigError naming `key`. `text`: the value is command-line
+    text, where every value is a string ("5", "true"); elsewhere (TOML, code) a number or a boolean
+    must be one, as TOML writes it, so `steps = "5"` is refused like `--training.steps=five`."""
     bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r}")
     origin = get_origin(tp)
+    if not text and tp in (bool, int, float) and isinstance(value, str):
+        raise ConfigError(f"{key} expects {_type_name(tp)}, got the string {value!r} (write it without quotes)")
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:
@@ -68,7 +72,7 @@ def _convert(key: str, tp, value: Any) -> Any:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list):
             raise bad
-        return [_convert(key, elem, v.strip() if isinstance(v, str) else v) for v in items if v != ""]
+        return [_convert(key, elem, v.strip() if isinstance(v, str) else v, text) for v in items if v != ""]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -105,10 +109,11 @@ def _convert(key: str, tp, value: Any) -> Any:
 
 def _check_bounds(key: str, f: dataclasses.Field, value: Any) -> None:
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
     if lo is not None and value < lo:
-        raise ConfigError(f"{key} must be >= {lo}; got {value}")
+        raise ConfigError(f"{key} must be >= {lo}; got {value}{why}")
     if hi is not None and value > hi:
-        raise ConfigError(f"{key} must be <= {hi}; got {value}")
+        raise ConfigError(f"{key} must be <= {hi}; got {value}{why}")
 
 
 def _lookup(section: str, key: str):
@@ -134,12 +139,13 @@ def registry_choices(f: dataclasses.Field) -> list[str] | None:
     return list(getattr(importlib.import_module(module), attr))
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any) -> None:
+def _set(cfg: JobConfig, dotted: str, value: Any, text: bool = False) -> None:
+    """Set `section.key` to `value`, checked; `text`: the value is command-line text (see _convert)."""
     if dotted.count(".") != 1:
         raise ConfigError(f"config keys look like --section.key; got '--{dotted}'")
     section, key = dotted.split(".")
     tp, f = _lookup(section, key)
-    converted = _convert(dotted, tp, value)
+    converted = _convert(dotted, tp, value, text)
     if isinstance(converted, (int, float)) and not isinstance(converted, bool):
         _check_bounds(dotted, f, converted)
     choices = registry_choices(f)
@@ -218,7 +224,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
                 except ConfigError as e:
                     raise ConfigError(f"{config_file}: {e}") from None
     for k, v in pairs:
-        _set(cfg, k, v)
+        _set(cfg, k, v, text=True)
     cfg.job.config_file = config_file
     validate(cfg)
     check_combination(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))

@@ -4,7 +4,7 @@
     python -m titanlite.data.prepare --input corpus/ --output data/corpus --train-tokenizer --vocab-size 32000
 
 Inputs: .txt (one document per file, read in line-aligned pieces of about 1 MB), .jsonl (one
-document per line, in --text-field) and .parquet (column --text-field; needs pyarrow). Every
+document per line, in --text-field) and .parquet (column --text-field; needs pyarrow: the parquet extra). Every
 document is followed by the EOS token; every --val-every-th document goes to the validation split,
 or, when the corpus has fewer documents than that (a single .txt), the last 1/val_every of its tokens,
 raised to one default global batch of 2048-token windows where a tenth of the corpus holds them.
@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from titanlite.config import ConfigError
+from titanlite.errors import require
 from titanlite.data.shards import ShardWriter
 from titanlite.data.tokenizer import eos_id, file_sha256, load_tokenizer, train_bpe, vocab_size
 
@@ -113,10 +114,7 @@ def read_jsonl(path: Path, field: str, skips: Skips) -> Iterator[Piece]:
 
 
 def read_parquet(path: Path, field: str, skips: Skips) -> Iterator[Piece]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    pq = require("pyarrow.parquet", f"reading {path}")
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:

@@ -18,7 +18,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 import zlib
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from titanlite.config import ConfigError
+from titanlite.output_folder import StagedFolder
 
 FORMAT, VERSION = "titanlite-token-shards", 2
 READABLE_VERSIONS = (1, 2)  # version 1: no CRC32 or largest id per shard
@@ -66,18 +66,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ShardWriter:
-    """Appends token arrays per split into fixed-size shards inside a staging folder.
+    """Appends token arrays per split into fixed-size shards inside a staging folder
+    (titanlite.output_folder.StagedFolder: meta.json marks a prepared dataset).
 
     Use as a context manager: leaving the block with an exception removes the staging folder;
     `commit(meta)` writes meta.json and moves the staging folder to `output`.
@@ -87,49 +78,19 @@ class ShardWriter:
         self.output = Path(output)
         self.dtype = dtype_for_vocab(vocab_size)
         self.shard_tokens = shard_tokens
-        self.overwrite = overwrite
-        self._check_output()
-        self.staging = self.output.parent / f".{self.output.name}.partial-{os.getpid()}"
-        try:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_staging()
-            if self.staging.exists():
-                shutil.rmtree(self.staging)
-            self.staging.mkdir()
-        except FileExistsError as e:  # a file where a parent folder should be
-            raise ConfigError(f"cannot write the output folder {self.output}: {e.filename} is a file") from None
-        except OSError as e:
-            raise ConfigError(f"cannot write the output folder {self.output}: {e.strerror or e}") from None
+        self._folder = StagedFolder(self.output, overwrite, "meta.json", "prepared dataset")
+        self.staging = self._folder.path
         self.shards: dict[str, list[dict]] = {s: [] for s in SPLITS}
         self.tokens = {s: 0 for s in SPLITS}
         self._fh: dict[str, object] = {}
         self._fill = {s: 0 for s in SPLITS}
-
-    def _check_output(self) -> None:
-        out = self.output
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"output {out} exists and is not a folder")
-        if out.is_dir() and any(out.iterdir()):
-            if not (out / "meta.json").exists():
-                raise ConfigError(f"output folder {out} is not empty and holds no prepared dataset; choose a new folder")
-            if not self.overwrite:
-                raise ConfigError(f"output folder {out} already holds a prepared dataset; pass --overwrite to replace it")
-
-    def _remove_stale_staging(self) -> None:
-        """Staging folders of killed preparations (their process is gone) are garbage."""
-        for p in self.output.parent.glob(f".{self.output.name}.partial-*"):
-            pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         self._close_all()
-        if exc_type is not None:
-            shutil.rmtree(self.staging, ignore_errors=True)
-        return False
+        return self._folder.__exit__(exc_type, exc, tb)
 
     def add(self, split: str, ids: np.ndarray) -> None:
         """Append tokens to `split`, opening a new shard whenever the current one is full."""
@@ -196,13 +157,7 @@ class ShardWriter:
                 "splits": {s: {**meta.get("splits", {}).get(s, {}), "tokens": self.tokens[s],
                                "shards": self.shards[s]} for s in SPLITS}}
         (self.staging / "meta.json").write_text(json.dumps(meta, indent=1))
-        old = None
-        if self.output.exists():  # an empty folder, or a dataset being replaced with --overwrite
-            old = self.output.parent / f".{self.output.name}.old-{os.getpid()}"
-            os.rename(self.output, old)
-        os.rename(self.staging, self.output)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        self._folder.commit()
         return meta
 
 

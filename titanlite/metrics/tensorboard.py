@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from titanlite.config import ConfigError
+from titanlite.errors import require
 
 # run-log entry key -> TensorBoard tag
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "time_ms": "perf/time_ms",
@@ -28,10 +28,8 @@ def step_scalars(e: dict) -> dict[str, float]:
 
 class TensorBoard:
     def __init__(self, dump_folder: str, stamp: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError("metrics.enable_tensorboard needs the tensorboard package (pip install tensorboard)") from None
+        require("tensorboard", "metrics.enable_tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
         self.log_dir = os.path.join(dump_folder, "tb", f"run_{stamp}")
         self.writer = SummaryWriter(log_dir=self.log_dir)
 

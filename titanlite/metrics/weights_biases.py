@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 
-from titanlite.config import ConfigError
+from titanlite.errors import require
 from titanlite.metrics.tensorboard import step_scalars
 
 
 class WandB:
     def __init__(self, cfg, config: dict, run_name: str):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("metrics.enable_wandb needs the wandb package (pip install wandb)") from None
+        wandb = require("wandb", "metrics.enable_wandb")
         m = cfg.metrics
         self.run = wandb.init(project=m.wandb_project or os.environ.get("WANDB_PROJECT") or "titanlite",
                               name=m.wandb_run_name or os.environ.get("WANDB_NAME") or run_name,

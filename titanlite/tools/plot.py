@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from titanlite.errors import ConfigError, require
 from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, mean
 
 # (file stem, run-log key, y label)
@@ -66,8 +67,7 @@ def plot_breakdown(run: LoggedRun, warmup: int | None, path: str, plt) -> bool:
 
 
 def write_plots(runs: list[LoggedRun], out: str, warmup: int | None = None) -> list[str]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "python -m titanlite.tools.plot")
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                          "steady-state rule)")
     args = ap.parse_args(argv)
     try:
+        require("matplotlib", "python -m titanlite.tools.plot")  # before any run log is read
         runs = load_all(args.runs)
         written = write_plots(runs, args.out, args.warmup)
-    except RunLogError as e:
+    except (ConfigError, RunLogError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
