@@ -87,7 +87,7 @@ def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
                              "dp": [t.dims.dp_size, t.dims.dp_rank],
                              "wrapper_on_job_mesh": (t.model.process_group is t.dims.mesh.get_group("dp_replicate")
                                                      if hasattr(t.model, "process_group")
-                                                     else params[0].device_mesh is t.dims.mesh)}
+                                                     else params[0].device_mesh == t.dims.mesh)}
 
 
 @pytest.fixture(scope="module")
