@@ -180,8 +180,8 @@ def test_failed_run_frees_the_trainer_before_the_process_group(tmp_cache, monkey
     trainers, seen = [], []
     init = T.Trainer.__init__
 
-    def tracked_init(self, cfg):
-        init(self, cfg)
+    def tracked_init(self, *args):
+        init(self, *args)
         trainers.append(weakref.ref(self))
 
     def crash(self):
