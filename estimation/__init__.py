@@ -7,3 +7,8 @@ reports per-rank memory by category, the largest local batch that fits, and pred
 tokens/s / MFU at calibrated rates. `--estimate.recommend` searches the settings for a target global
 batch and writes the best as a TOML. See docs/estimation.md.
 """
+
+
+class EstimateWarning(UserWarning):
+    """A fallback an estimate took that can make it less exact. Shown by `python -m estimation` (which
+    hides torch's own notices), and an error under the tests (pyproject.toml's pytest filterwarnings)."""

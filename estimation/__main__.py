@@ -13,12 +13,14 @@ import os
 import sys
 import warnings
 
+from estimation import EstimateWarning
 from titanlite.config import load_config, run_cli
 
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     warnings.filterwarnings("ignore")  # fake-tensor and FSDP notices say nothing about the estimate
+    warnings.filterwarnings("default", category=EstimateWarning)  # the estimate's own fallbacks do
     cfg = load_config(argv)
     from estimation.estimate import estimate, format_report, write_report
 

@@ -22,10 +22,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from titanlite.errors import ConfigError
+
+from estimation import EstimateWarning
+from estimation.standins import inductor_without_codegen
+from estimation.tracker import StepTracker
 
 # Ops Inductor lowers to a library call (cuBLAS, cuDNN / flash attention, ...) that reads its inputs
 # from memory and writes its output: they never fuse with their neighbours.
@@ -285,25 +294,54 @@ def _fusion_groups(kernels: list[fx.Node], level, roots, readers) -> list[list[f
     return list(groups.values())
 
 
+class MemoryPlanFallback(EstimateWarning):
+    """memory_plan kept Inductor's graph order instead of its reordered one (see memory_plan)."""
+
+
 def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
-    """Reorder `graph` so that fused kernels run together, and return how its buffers live (MemoryPlan)."""
+    """Reorder `graph` so that fused kernels run together, and return how its buffers live (MemoryPlan).
+    Should the reordered graph not hold together, Inductor's order is kept, with a MemoryPlanFallback
+    warning (an error under the tests)."""
+    level, read, readers = _buffer_reads(graph, mat)
+    kernels = [n for n in read if _is_kernel(n)]
+    groups = [g for g in _fusion_groups(kernels, level, read, readers) if len(g) > 1]
+    original = list(graph.nodes)
+    group_end = _run_groups_together(graph, groups, mat)
+    try:
+        graph.lint()
+    except RuntimeError as e:  # a move got wrong: the plan of the graph as Inductor ordered it instead
+        _restore_order(graph, original)
+        group_end = {}
+        warnings.warn(MemoryPlanFallback(f"estimation.compiled.memory_plan kept a graph's own order: running its "
+                                         f"fused kernels together broke it ({str(e).splitlines()[0]}); its "
+                                         f"buffers are held as unfused kernels would hold them"))
+    order = list(graph.nodes)
+    roots = _buffers(order, mat)
+    dying = _dying(order, mat, read, roots, group_end)
+    takes_over, release_after = _reuse(order, mat, read, readers, roots, dying, group_end)
+    return MemoryPlan(roots, release_after, takes_over)
+
+
+def _buffer_reads(graph: fx.Graph, mat: set[fx.Node]):
+    """Each kernel's pass (_levels), the buffers each node reads (through views to their roots), and how
+    many nodes read each buffer."""
     level, reads = _levels(graph, mat)
     read = {k: {_root(a, mat) for a in ins} for k, ins in reads.items()}  # node -> the buffers it reads
     readers: dict[fx.Node, int] = {}
     for bufs in read.values():
         for r in bufs:
             readers[r] = readers.get(r, 0) + 1
-    kernels = [n for n in reads if _is_kernel(n)]
-    original = list(graph.nodes)
-    members: dict[fx.Node, list[fx.Node]] = {}
-    for group in _fusion_groups(kernels, level, read, readers):
-        if len(group) > 1:
-            members[group[0]] = group
-    # run each group's members right after its first one, with the inlined nodes they recompute
+    return level, read, readers
+
+
+def _run_groups_together(graph: fx.Graph, groups: list[list[fx.Node]], mat: set[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Move each fusion group's members right after its first one, with the inlined nodes they recompute
+    (a member that waits for another kernel stays where it is: Inductor could not fuse it there either).
+    Returns each placed member -> the group's last placed member, where the fused kernel ends."""
     group_end: dict[fx.Node, fx.Node] = {}
-    for first, group in members.items():
+    for first, *rest in groups:
         cursor, placed = first, [first]
-        for m in group[1:]:
+        for m in rest:
             pos = {n: i for i, n in enumerate(graph.nodes)}  # as moved so far
             anc, stack = set(), [m]
             while stack:
@@ -320,23 +358,29 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
             placed.append(m)
         for m in placed:
             group_end[m] = placed[-1]
-    try:
-        graph.lint()
-    except RuntimeError:  # a move this function got wrong: keep Inductor's graph order instead
-        prev = original[0]
-        for n in original[1:]:
-            prev.append(n)
-            prev = n
-        group_end = {}
-    order = list(graph.nodes)
+    return group_end
+
+
+def _restore_order(graph: fx.Graph, order: list[fx.Node]) -> None:
+    """Put `graph`'s nodes back in `order`."""
+    prev = order[0]
+    for n in order[1:]:
+        prev.append(n)
+        prev = n
+
+
+def _buffers(order: list[fx.Node], mat: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose value is a buffer of its own: materialised tensors that are no view of another."""
+    return {n for n in order if (n.op == "placeholder" or n.op == "call_function") and n in mat
+            and _root(n, mat) is n and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def _dying(order, mat, read, roots, group_end) -> dict[fx.Node, list[fx.Node]]:
+    """Where each buffer dies: after the last kernel that reads it (the end of that kernel's fusion
+    group), unless the graph returns it. node -> the buffers dying there."""
     at = {n: i for i, n in enumerate(order)}
     out_node = next(n for n in order if n.op == "output")
     outputs = {_root(a, mat) for a in out_node.all_input_nodes}
-
-    def is_buffer(n):
-        return n in mat and _root(n, mat) is n and isinstance(n.meta.get("val"), torch.Tensor)
-
-    roots = {n for n in order if (n.op == "placeholder" or n.op == "call_function") and is_buffer(n)}
     last: dict[fx.Node, fx.Node] = {}
     for k, bufs in read.items():
         end = group_end.get(k, k)
@@ -347,6 +391,13 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
     for r, end in last.items():
         if r not in outputs:
             dying.setdefault(end, []).append(r)
+    return dying
+
+
+def _reuse(order, mat, read, readers, roots, dying, group_end):
+    """Inductor's wrapper's buffer reuse, walked in `order`: a kernel's output takes over a buffer dying
+    at it (in place) or one freed earlier and pooled, of the same dtype and size; a dead buffer nobody
+    takes is freed where it died. Returns (takes_over, release_after) of MemoryPlan."""
 
     def allocates(n):
         return n in roots and (_is_kernel(n) or _name(n) in _OUT_EXTERNS)
@@ -382,7 +433,7 @@ def memory_plan(graph: fx.Graph, mat: set[fx.Node]) -> MemoryPlan:
                     release_after.setdefault(n, []).append(r)
     for r, died in pooled.items():  # never reused: freed where it died
         release_after.setdefault(died, []).append(r)
-    return MemoryPlan(roots, release_after, takes_over)
+    return takes_over, release_after
 
 
 class _Runner(fx.Interpreter):
@@ -424,10 +475,6 @@ class _Runner(fx.Interpreter):
 
 
 def _active_tracker():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from estimation.tracker import StepTracker
-
     return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, StepTracker)), None)
 
 
@@ -455,7 +502,8 @@ def _eager_inner(gm: fx.GraphModule, example_inputs, **kwargs):
 @contextlib.contextmanager
 def capture_compile():
     """Every torch.compile with the Inductor backend, while this is active, runs Inductor's pipeline
-    up to code generation and then the partitioned graphs on fake tensors (see module docstring).
+    up to code generation and then the partitioned graphs on fake tensors (see module docstring; the
+    stand-in for code generation is estimation.standins.inductor_without_codegen).
 
     Inside DDP's forward, Dynamo's DDP optimizer splits each compiled graph at the gradient-bucket
     boundaries before Inductor sees it (the partitioner then works per piece); that happens here too,
@@ -465,41 +513,32 @@ def capture_compile():
     entry there holds generated code, not these graphs). Dynamo's caches are reset on exit, so a
     later real torch.compile in the same process compiles afresh.
     """
+    # here, not at the top: Dynamo and Inductor are large imports that only compiled estimates need
     import torch._dynamo
     import torch._functorch.config as functorch_config
-    import torch._inductor.compile_fx as cfx
+    from torch._dynamo.backends.distributed import DDPOptimizer
     from torch._dynamo.utils import get_optimize_ddp_mode
-    from torch.nn.parallel import DistributedDataParallel
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from titanlite.config import ConfigError
 
     if not hasattr(TorchDispatchMode, "ignore_compile_internals"):  # torch.compile would skip every frame
         raise ConfigError(f"estimating compile.enable needs a torch whose dispatch modes can sit out compilation "
                           f"(TorchDispatchMode.ignore_compile_internals), not {torch.__version__}; use "
                           f"--compile.enable=false for the eager estimate")
-    orig = cfx.compile_fx
     split_for_ddp = get_optimize_ddp_mode() == "ddp_optimizer"
 
-    @functools.wraps(orig)
-    def compile_fx(model_, example_inputs_, inner_compile=None, **kw):
+    def compile_fx(orig, model_, example_inputs_, **kw):
         inductor = functools.partial(orig, inner_compile=_eager_inner, **kw)
         ddp = DistributedDataParallel._get_active_ddp_module() if split_for_ddp else None
         if ddp is None:
             return inductor(model_, example_inputs_)
-        from torch._dynamo.backends.distributed import DDPOptimizer
-
         return DDPOptimizer(bucket_bytes_cap=ddp.bucket_bytes_cap, backend_compile_fn=inductor).compile_fn(
             model_, example_inputs_)
 
-    cfx.compile_fx = compile_fx
     torch._dynamo.reset()
     try:
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1024,
-                                        accumulated_recompile_limit=1 << 16, optimize_ddp=False), \
+        with inductor_without_codegen(compile_fx), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1024,
+                                           accumulated_recompile_limit=1 << 16, optimize_ddp=False), \
                 functorch_config.patch(enable_autograd_cache=False):
             yield
     finally:
-        cfx.compile_fx = orig
         torch._dynamo.reset()

@@ -7,8 +7,7 @@ import os
 import sys
 import time
 
-from titanlite.config import ConfigError, resolve_batch, to_dict
-from titanlite.parallel.policy import data_parallel_mode
+from titanlite.config import ConfigError, data_parallel_mode, resolve_batch, to_dict
 from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION

@@ -1,16 +1,19 @@
 """One rank of an N-GPU training run, on fake tensors: build, parallelize, step, measure.
 
 What runs is the trainer's own code: the model from titanlite.models on meta, `parallelize` (the
-techniques in the order its docstring writes), `build_optimizer`, and `titanlite.step.TrainStep` for the step itself (micro-batches, gradient sync
-on the last, clip, update), watched through `MemoryHooks`. It all runs under FakeTensorMode with a
-fake process group of the target world size, so every collective, shard and buffer has the shape it
-has on the GPUs while no memory is touched.
+techniques in the order its docstring writes), `build_optimizer`, and `titanlite.step.TrainStep` for
+the step itself (micro-batches, gradient sync on the last, clip, update), watched through
+`MemoryHooks`. It all runs under FakeTensorMode with a fake process group of the target world size,
+so every collective, shard and buffer has the shape it has on the GPUs while no memory is touched.
 
-Fake tensors live on "cpu" (torch's fake CUDA kernels need a GPU build), so the GPU's choices are
-made explicitly: bf16 autocast or FSDP bf16 parameters as on CUDA, fused AdamW as on CUDA, and a
-stand-in for CUDA's fused RMSNorm outside compiled code (CPU decomposes it and would save two extra
-fp32 copies of the input per norm). With compile.enable, torch.compile runs its real pipeline up to
-code generation (estimation.compiled), so compiled blocks keep what Inductor keeps.
+It reaches titanlite through seams only: the settings it builds from the config (the GPU's choices
+made explicit: bf16 autocast or FSDP bf16 parameters, fused AdamW), the dims laid out by the
+trainer's own `parallel_dims` over the fake process group it starts (rank 0, the target GPU's memory,
+float8 matmuls), parallelize's `wrap=` for DDP (fake tensors need its own comm hook), and
+build_optimizer's `update=` (the fused update's bytes, counted as one kernel). Where torch itself
+behaves otherwise on fake CPU tensors than on the GPU (CUDA's fused RMSNorm, DDP's checks that read
+data, ...), estimation.standins holds the stand-in. With compile.enable, torch.compile runs its real
+pipeline up to code generation (estimation.compiled), so compiled blocks keep what Inductor keeps.
 """
 
 from __future__ import annotations
@@ -22,144 +25,25 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titanlite.config import parallel_settings
 from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import BACKENDS, SDPA, Manual
-from titanlite.optim import build_optimizer
+from titanlite.optim import build_optimizer, eager_master_adamw_update
 from titanlite.parallel.apply import parallelize
-from titanlite.parallel.data_parallel import _fsdp, ddp_wrapper
-from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.ddp import ddp_wrapper
+from titanlite.parallel.dims import parallel_dims
+from titanlite.parallel.launch import Launch
 from titanlite.parallel.modes import MODES
-from titanlite.parallel.policy import computes_bf16, data_parallel_mode, hsdp_shape
+from titanlite.parallel.policy import computes_bf16, data_parallel_mode
 from titanlite.step import StepHooks, build_train_step
 
-from estimation.fsdp_shards import fsdp_chunks_on_demand
+from estimation.standins import (cuda_like_kernels, ddp_on_fake_tensors, fsdp_chunks_on_demand, init_without_values,
+                                 keep_rebuilt_buckets)
 from estimation.tracker import StepTracker, view_bytes
 
 WARMUP_SEQ = 16  # the warm-up step only has to create optimizer state and DDP buckets
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """What CUDA's fused rms_norm keeps for backward: the input and one fp32 rstd per row."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, rstd, weight)
-        return (x.float() * rstd * weight.float()).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, rstd, weight = ctx.saved_tensors
-        xhat = x.float() * rstd
-        gw = grad.float() * weight.float()
-        gx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), (grad.float() * xhat).flatten(0, -2).sum(0).to(weight.dtype), None
-
-
-@functools.cache
-def _fake_addmm_takes_out_dtype() -> bool:
-    """Whether fake tensors run addmm's fp32-output overload (torch 2.11 decomposes it as plain addmm,
-    taking the dtype for beta, and raises a TypeError; 2.13 has its own decomposition)."""
-    import logging
-
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)  # the failing probe is expected on such a torch: no logged traceback
-    try:
-        with FakeTensorMode():
-            a = torch.empty(2, 2, dtype=torch.bfloat16)
-            torch.addmm(torch.empty(2, 2), a, a, out_dtype=torch.float32)
-        return True
-    except TypeError:
-        return False
-    finally:
-        log.setLevel(level)
-
-
-@contextlib.contextmanager
-def cuda_like_kernels():
-    """Swap in the stand-ins for CUDA kernels whose CPU versions keep different tensors or do different
-    work: the fused RMSNorm (code that torch.compile traces keeps the real op: Inductor decides what
-    it saves), and the chunked loss's fp32-output GEMM into the weight-gradient accumulator (on the
-    CPU a product, then an add)."""
-    orig = F.rms_norm
-
-    def rms_norm(x, normalized_shape, weight=None, eps=None):
-        if torch.compiler.is_compiling():
-            return orig(x, normalized_shape, weight, eps)
-        if weight is None:
-            weight = torch.ones(normalized_shape, device=x.device)
-        return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
-
-    import titanlite.ops.loss as loss
-
-    def fp32_mm(a, b, acc=None):  # CUDA's path (titanlite.ops.master_linear.fp32_mm): one fp32-output GEMM
-        if acc is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        if _fake_addmm_takes_out_dtype():
-            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-
-    F.rms_norm, orig_mm, loss.fp32_mm = rms_norm, loss.fp32_mm, fp32_mm
-    try:
-        yield
-    finally:
-        F.rms_norm, loss.fp32_mm = orig, orig_mm
-
-
-@contextlib.contextmanager
-def _float8_as_on_the_gpu():
-    """The target GPU runs float8 matmuls (torch._scaled_mm); on fake tensors its fake kernel gives
-    their shapes on any device, so the fake run keeps torchao's real (non-emulated) path: the float8
-    GEMMs are counted as such, and torchao saves what it saves on the GPU."""
-    import titanlite.parallel.apply as apply
-
-    orig = apply.float8_supported
-    apply.float8_supported = lambda device: True
-    try:
-        yield
-    finally:
-        apply.float8_supported = orig
-
-
-@contextlib.contextmanager
-def _init_without_values():
-    """Weight initialisation has nothing to draw on fake tensors, and torch's truncated normal
-    redraws out-of-range values in a loop that reads them."""
-    import torch.nn.init as init
-
-    orig = init.trunc_normal_
-    init.trunc_normal_ = lambda tensor, *args, **kwargs: tensor
-    try:
-        yield
-    finally:
-        init.trunc_normal_ = orig
-
-
-def _mesh_outside_fake(shape, names):
-    """A DeviceMesh has to be built with real tensors (it reads its rank layout back)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with unset_fake_temporarily():
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-@contextlib.contextmanager
-def _ddp_without_shape_check():
-    """DDP's start-up shape check reads tensor data in C++, which fake tensors do not have; every
-    fake rank holds the same shapes by construction, so skip it."""
-    import torch.nn.parallel.distributed as ddp
-
-    orig = ddp._verify_param_shape_across_processes
-    ddp._verify_param_shape_across_processes = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        ddp._verify_param_shape_across_processes = orig
 
 
 def _allreduce_hook(state, bucket):
@@ -186,66 +70,15 @@ def _allreduce_hook(state, bucket):
     return fut
 
 
-# dist.Reducer's arguments after (params, bucket_indices, per_bucket_size_limits), as DDP passes them
-_REDUCER_ARGS = ("process_group", "expect_sparse_gradients", "bucket_bytes_cap", "find_unused_parameters",
-                 "gradient_as_bucket_view", "param_to_name_mapping", "first_bucket_bytes_cap")
-
-
-@contextlib.contextmanager
-def _buckets_as_rebuilt():
-    """DDP builds its reducer with every gradient in one bucket (before a backward it does not know the
-    order gradients become ready in) and rebuilds the buckets after the first backward: up to
-    first_bucket_bytes_cap, then bucket_bytes_cap each, over the parameters in the order their gradients
-    became ready, so from the second step on each bucket is all-reduced as soon as its gradients exist,
-    beside the rest of the backward. That rebuild agrees on the order across ranks by reading a
-    tensor's data, which fake tensors do not have (see _NoBucketRebuild), so the fake reducer is built
-    with the rebuilt layout from the start, taking the ready order as the reverse of the parameters'
-    order (DDP's own assumption for its first layout: the output head's gradient first, the input
-    embedding's last)."""
-    orig = dist.Reducer
-
-    def reducer(params, bucket_indices, per_bucket_size_limits, *rest, **kwargs):
-        named = {**dict(zip(_REDUCER_ARGS, rest)), **kwargs}
-        sparse = list(named.get("expect_sparse_gradients") or [False] * len(params))
-        cap = named.get("bucket_bytes_cap", 25 * 2**20)
-        first = named.get("first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
-        ready = list(range(len(params)))[::-1]
-        bucket_indices, per_bucket_size_limits = dist._compute_bucket_assignment_by_size(
-            [params[i] for i in ready], [first, cap], [sparse[i] for i in ready], ready)
-        return orig(params, bucket_indices, per_bucket_size_limits, *rest, **kwargs)
-
-    dist.Reducer = reducer
-    try:
-        yield
-    finally:
-        dist.Reducer = orig
-
-
-class _NoBucketRebuild:
-    """DDP rebuilds its buckets once, agreeing on the order by reading a tensor's data (fake tensors
-    have none). The fake reducer was built with the rebuilt layout (_buckets_as_rebuilt): keep it."""
-
-    def __init__(self, reducer):
-        self._reducer = reducer
-
-    def _rebuild_buckets(self):
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._reducer, name)
-
-
 def _one_pass_update(tracker, p, g, lo, m, v, *args) -> None:
-    """MasterAdamW's update as the GPU runs it: one kernel reading g, p, lo, m, v and writing p, lo, m, v
-    and the bf16 copy (lo None: p is its own master; the copy, the last argument, may be None), with
-    nothing allocated. Its eager reference, run here for the values, would be counted op by op: about
-    4x the bytes, and its fp32 intermediates, several times the parameter at once (for a large
-    embedding or output head, GiB that could set the step's peak)."""
-    from titanlite.optim import _master_adamw_update
-
+    """MasterAdamW's update as the GPU runs it (build_optimizer's `update=`): one kernel reading g, p, lo,
+    m, v and writing p, lo, m, v and the bf16 copy (lo None: p is its own master; the copy, the last
+    argument, may be None), with nothing allocated. Its eager reference, run here for the values, would
+    be counted op by op: about 4x the bytes, and its fp32 intermediates, several times the parameter at
+    once (for a large embedding or output head, GiB that could set the step's peak)."""
     counting = tracker.count_work
     with tracker.stand_in_kernel():
-        _master_adamw_update(p, g, lo, m, v, *args)
+        eager_master_adamw_update(p, g, lo, m, v, *args)
     if counting:
         work = tracker.work[tracker.phase]
         copy = args[-1]
@@ -308,32 +141,41 @@ class FakeRun:
         """`attention_backend`: the one the GPU runs (a concrete name). Its tensors are what count: a
         pinned SDPA kernel, which exists only on a GPU, runs unpinned here with its K/V expansion for
         GQA; the flash-attn packages take GQA natively, as SDPA's enable_gqa does. `device_memory`: the
-        GPU's bytes, where a choice depends on them (fsdp_reshard_after_forward=auto)."""
+        GPU's bytes, where a choice depends on them (fsdp_reshard_after_forward=auto). A run of several
+        ranks starts a fake process group of its own, so it refuses to start beside a live one (this
+        process's own job, which it must not replace)."""
         self.device_memory = device_memory
         self.cfg = run_cfg = copy.deepcopy(cfg)
         run_cfg.optimizer.fused = "true" if cfg.optimizer.fused == "auto" else cfg.optimizer.fused  # CUDA default
         run_cfg.training.cuda_graphs = False      # capture changes no tensor; it needs a CUDA device
-        if computes_bf16(cfg, "cuda"):  # as on CUDA (the fake tensors are CPU tensors): bf16 copies, autocast
-            run_cfg.training.mixed_precision_param = "bfloat16"
+        if computes_bf16(parallel_settings(cfg).precision, "cuda"):  # as on CUDA (the fake tensors are CPU
+            run_cfg.training.mixed_precision_param = "bfloat16"     # tensors): bf16 copies, autocast
+        settings = parallel_settings(run_cfg)
+        # The fake process group has no communicators to build: FSDP's gathers stay the job's (where they
+        # run changes no tensor and no byte moved)
+        settings = dataclasses.replace(settings, data_parallel=dataclasses.replace(
+            settings.data_parallel, fsdp_copy_engine_all_gather="off"))
         self.world = world
-        self.mode = data_parallel_mode(cfg, world)
+        self.mode = data_parallel_mode(settings.data_parallel, world)
         self.args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
         self.seq_len = cfg.training.seq_len
         self.compiled = cfg.compile.enable
-        self.dims = ParallelDims(world, 0, 0, torch.device("cpu"), self.mode)
         self._own_pg = False
         if world > 1:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                raise RuntimeError(f"estimation's fake run of {world} ranks starts a fake process group of its own, "
+                                   f"and this process already has a live one (torch.distributed is initialized); "
+                                   f"run the estimate in a process without one")
+            # here, not at the top: torch's testing package, which only a run of several ranks needs
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
             self._own_pg = True
-        self._mesh = None
-        if self.mode == "fsdp":
-            self._mesh = _mesh_outside_fake((world,), ("dp_shard",))
-        elif self.mode == "hsdp":
-            self._mesh = _mesh_outside_fake(hsdp_shape(run_cfg, world), ("dp_replicate", "dp_shard"))
+        # The trainer's layout over the fake group: rank 0, on the CPU that holds fake tensors, with the
+        # target GPU's memory and its float8 matmuls (fake kernels give torch._scaled_mm's shapes on any
+        # device, so torchao's real, non-emulated path runs and its GEMMs are counted as float8)
+        self.dims = parallel_dims(settings.data_parallel, Launch(world_size=world), torch.device("cpu"),
+                                  device_memory, float8=True)
 
         with torch.device("meta"):
             runnable = attention_backend if issubclass(BACKENDS[attention_backend], (SDPA, Manual)) else "sdpa"
@@ -346,38 +188,35 @@ class FakeRun:
         self.hooks = MemoryHooks(self.tracker)
         self._stack = contextlib.ExitStack()
         if self.compiled:
-            from estimation.compiled import capture_compile
+            from estimation.compiled import capture_compile  # here, not at the top: it imports Dynamo
 
             self._stack.enter_context(capture_compile())
-        with self._active(), _init_without_values(), _float8_as_on_the_gpu(), fsdp_chunks_on_demand():
+        with self._active(), init_without_values(), fsdp_chunks_on_demand():
             self.tracker.count_work = False
-            self.model = model = parallelize(model, run_cfg, self.dims, wrap=self._wrap)
-            self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode)
+            wrap = None if MODES[self.mode].shards_params else self._wrap_ddp  # fsdp, hsdp: the trainer's own
+            self.model, self.masters = parallelize(model, settings, self.dims, wrap=wrap)
+            model = self.model
+            self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode, self.masters,
+                                             update=functools.partial(_one_pass_update, self.tracker))
             # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
-            local = getattr(self.optimizer, "optim", self.optimizer)  # zero1: the rank's own MasterAdamW
-            if hasattr(local, "update_fn"):
-                local.update_fn = functools.partial(_one_pass_update, self.tracker)
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
             # as the Trainer: bf16 autocast where CUDA would run it (the fake tensors are on the CPU;
             # mixed_precision_param was made explicit above)
-            self.train_step = build_train_step(model, self.optimizer, run_cfg, 1, self.dims, compile_loss=self.compiled)
+            self.train_step = build_train_step(model, self.optimizer, run_cfg, 1, self.dims, self.masters)
             # optimizer state and DDP buckets exist from here on (compiled code runs as eager: no compile
             # for a shape that is never measured)
             with torch.compiler.set_stance("force_eager"):
                 self._step(1, WARMUP_SEQ, micro_steps=1)
 
-    def _wrap(self, model, cfg, dims):
-        """The mode's wrapper, as parallelize would apply it, fitted to fake tensors."""
-        if MODES[self.mode].shards_params:
-            # shown a CUDA device: FSDP's bf16 parameter policy is a GPU choice
-            return _fsdp(model, cfg, dataclasses.replace(dims, device=torch.device("cuda", 0)), self._mesh,
-                         self.device_memory)
-        reduce_dtype = getattr(torch, cfg.parallelism.ddp_reduce_dtype)
-        with _ddp_without_shape_check(), _buckets_as_rebuilt():
-            model = ddp_wrapper(model, cfg, dims)  # DDP takes one hook: ours, below
+    def _wrap_ddp(self, model, settings, dims):
+        """ddp and zero1's wrapper, as parallelize would apply it, fitted to fake tensors: built with the
+        stand-ins for what reads tensor data, and with a comm hook whose future completes."""
+        reduce_dtype = getattr(torch, settings.data_parallel.ddp_reduce_dtype)
+        with ddp_on_fake_tensors():
+            model = ddp_wrapper(model, settings, dims)  # DDP takes one hook: ours, below
         model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
-        model.reducer = _NoBucketRebuild(model.reducer)
+        keep_rebuilt_buckets(model)
         return model
 
     @contextlib.contextmanager

@@ -27,7 +27,7 @@ import sys
 import time
 
 from titanlite.config import ConfigError, load_config, to_toml
-from titanlite.config.manager import check_combination
+from titanlite.config.manager import check_combination, set_key
 from titanlite.hardware import GPUS_PER_NODE
 from titanlite.models import get_model_args
 from titanlite.optim import fitting_warmup
@@ -132,12 +132,10 @@ def classes(cfg, world: int, hw) -> list[Knobs]:
 def _config(cfg, knobs: Knobs, local: int, accum: int, world: int, cuda_graphs: bool = False):
     """The training config of a candidate: the user's, with the searched settings applied through the
     config's own setter and checks."""
-    from titanlite.config.manager import _set
-
     c = copy.deepcopy(cfg)
     for key, value in {**knobs.settings(), "parallelism.data_parallel": knobs.mode, "training.local_batch_size": local,
                        "training.global_batch_size": local * accum * world, "training.cuda_graphs": cuda_graphs}.items():
-        _set(c, key, value)
+        set_key(c, key, value)
     c.estimate.recommend = False
     check_combination(c, world)
     return c

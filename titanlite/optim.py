@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 
-from titanlite.parallel.data_parallel import local_tensor
+from titanlite.ops.master_linear import MasterWeights
+from titanlite.parallel.grads import local_tensor
 from titanlite.parallel.modes import MODES
 
 
-def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none") -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none",
+                    masters: MasterWeights | None = None, update: Callable | None = None) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
-    Master weights (parameters with a bf16 copy or stored in bf16, see training.bf16_params) or
+    Master weights (parameters with a bf16 copy in `masters`, or stored in bf16: see
+    training.bf16_params and titanlite.parallel.apply.apply_bf16_params) or
     optimizer.moments_dtype=bfloat16: titanlite's MasterAdamW (it rewrites the copies and keeps the
-    masters of bf16 parameters; moments in either dtype).
+    masters of bf16 parameters; moments in either dtype). `update` replaces its per-parameter update
+    (see MasterAdamW); torch's AdamW has no such seam and ignores it.
     dp_mode "zero1": ZeroRedundancyOptimizer shards the AdamW state over the data-parallel ranks
     (each rank steps its share of the parameters, then broadcasts them); the update is the same.
     training.cuda_graphs on CUDA: capturable AdamW with the lr as a device tensor (the scheduler
@@ -35,24 +40,25 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     # launch over every shard, the clip's scale inside it (torch's fused AdamW over DTensors clips in a pass
     # of its own)
     sharded_fused = MODES[dp_mode].shards_params and fused
-    if o.moments_dtype == "bfloat16" or sharded_fused or any(has_master(p) for p in params):  # capturable
+    masters = masters or MasterWeights()
+    if o.moments_dtype == "bfloat16" or sharded_fused or any(has_master(p, masters) for p in params):  # capturable
         kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
-                  moments_dtype=getattr(torch, o.moments_dtype))
+                  moments_dtype=getattr(torch, o.moments_dtype), masters=masters, update=update)
         return zero_master_adamw(groups, **kw) if zero else MasterAdamW(groups, **kw)
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
         kw.update(capturable=True)
     if zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # on first use: it imports much of torch.distributed
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
-def has_master(p: torch.Tensor) -> bool:
-    """Does `p` need MasterAdamW: an fp32 master with a bf16 copy to rewrite (titanlite.ops.master_linear),
-    or a bf16 parameter whose fp32 master the optimizer keeps?"""
-    return p.dtype == torch.bfloat16 or hasattr(p, "bf16_copy")
+def has_master(p: torch.Tensor, masters: MasterWeights) -> bool:
+    """Does `p` need MasterAdamW: an fp32 master with a bf16 copy to rewrite (in `masters`), or a bf16
+    parameter whose fp32 master the optimizer keeps?"""
+    return p.dtype == torch.bfloat16 or masters.has_copy(p)
 
 
 def master_low_bits(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -74,7 +80,7 @@ def join_master(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return (p.view(torch.int16).to(torch.int32) * 65536 + lo).view(torch.float32)
 
 
-def _master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
+def eager_master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
                          bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
     """AdamW on one fp32 master weight, rewriting what holds it. The master is the bf16 parameter `p`
     with its low bits `lo` (join_master; both are rewritten), or, with `lo` None, the fp32 `p` itself,
@@ -105,32 +111,33 @@ class MasterAdamW(torch.optim.Optimizer):
     (optimizer.moments_dtype).
 
     Three kinds of parameters, each updated as torch's AdamW updates an fp32 parameter:
-    - fp32 with a bf16 copy (`p.bf16_copy`, the blocks' matrices: titanlite.ops.master_linear): the
+    - fp32 with a bf16 copy (in `masters`, the blocks' matrices: titanlite.ops.master_linear): the
       parameter is the master; the update also rewrites the copy, as its rounding.
     - bf16 (float8's matrices under training.bf16_params): the optimizer state holds the low 16 bits
       of the fp32 master (`master_lo`: the parameter holds the high ones, see master_low_bits;
-      `master(p)` gives the fp32 value).
+      `master(p)` gives the fp32 value), started from the fp32 value `masters` holds for it.
     - fp32 without a copy (embeddings, norms, output head): its own master, plain AdamW.
     The state also holds the moments and the step. On CUDA with `fused` the update is one Triton
     pass over each parameter, launched once per group and kind (once per parameter while a CUDA
-    graph is captured; titanlite.ops.master_adamw); elsewhere `_master_adamw_update` runs eagerly (the
-    reference the kernel is tested against).
-    Like torch's fused AdamW it honours `grad_scale` and `found_inf` set on it (see clip_grad_norm).
+    graph is captured; titanlite.ops.master_adamw); elsewhere `eager_master_adamw_update` runs eagerly
+    (the reference the kernel is tested against). `update`, when given, runs instead of both (same
+    arguments as eager_master_adamw_update): estimation's fake run counts the kernel's bytes through it.
+    It takes the clip inside its update (titanlite.parallel.grads.FusedClip: `scale_next_step`).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
 
-    takes_grad_scale = True  # the fused clip's interface (titanlite.parallel.data_parallel.fused_clip_supported)
-
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, fused: bool = False, moments_dtype: torch.dtype = torch.float32):
+                 weight_decay: float = 1e-2, fused: bool = False, moments_dtype: torch.dtype = torch.float32,
+                 masters: MasterWeights | None = None, update: Callable | None = None):
         # torch's AdamW keeps these in its parameter groups too, here with the values that describe this
         # update: checkpoints of either optimizer then hold every key the other asks for (DCP loads key by key)
         adamw = dict(amsgrad=False, maximize=False, foreach=None, capturable=isinstance(lr, torch.Tensor),
                      differentiable=False, fused=fused, decoupled_weight_decay=True)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **adamw))
         self.fused = fused
-        self.update_fn = None  # replaces the per-parameter update (estimation's fake run counts the kernel's bytes)
-        self.grad_scale = self.found_inf = None
+        self.masters = masters or MasterWeights()
+        self._update = update
+        self._grad_scale = self._found_inf = None  # the fused clip's, for the next step (scale_next_step)
         self._launch_cache: dict = {}  # per (group, kind of parameter): the fused launch's tables
         for group in self.param_groups:
             for p in group["params"]:
@@ -139,10 +146,15 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                  "exp_avg": torch.zeros_like(p, dtype=moments_dtype),
                                  "exp_avg_sq": torch.zeros_like(p, dtype=moments_dtype)}
-                master = vars(p).pop("fp32_master", None)  # the fp32 init that apply_bf16_params kept
-                if p.dtype == torch.bfloat16:  # the parameter is its master's rounding; no fp32_master: equal
+                master = self.masters.take_initial(p)  # the fp32 init that apply_bf16_params kept
+                if p.dtype == torch.bfloat16:  # the parameter is its master's rounding; none kept: equal
                     self.state[p]["master_lo"] = (torch.zeros_like(p, dtype=torch.int16) if master is None
                                                   else master_low_bits(master, p.detach()))
+
+    def scale_next_step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+        """The fused clip (titanlite.parallel.grads.FusedClip): the next step divides each gradient by
+        `grad_scale` and changes nothing where `found_inf` is nonzero."""
+        self._grad_scale, self._found_inf = grad_scale, found_inf
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master weight of parameter `p` (`p` itself when it is fp32)."""
@@ -157,8 +169,7 @@ class MasterAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if "master_lo" in self.state[p]:
                     self.state[p]["master_lo"].zero_()
-                if hasattr(p, "bf16_copy"):
-                    p.bf16_copy.copy_(p)
+            self.masters.refresh(group["params"])
 
     def load_state_dict(self, state_dict) -> None:
         # torch's loader casts every floating-point state tensor to its parameter's dtype, which would
@@ -177,7 +188,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _kind(self, p: torch.Tensor) -> str:
         """"own": fp32, its own master; "copy": fp32 with a bf16 copy; "lo": bf16 with its master's low bits."""
-        return "lo" if "master_lo" in self.state[p] else "copy" if hasattr(p, "bf16_copy") else "own"
+        return "lo" if "master_lo" in self.state[p] else "copy" if self.masters.has_copy(p) else "own"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -193,14 +204,15 @@ class MasterAdamW(torch.optim.Optimizer):
             if local_tensor(p).numel():
                 launches.setdefault((i, self._kind(p)), []).append(p)
         device = work[0][1].device
-        scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
-        keep = (self.found_inf > 0) if self.found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
+        scale = self._grad_scale if self._grad_scale is not None else torch.ones((), device=device)
+        keep = (self._found_inf > 0) if self._found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
         (beta1, beta2), eps = self.defaults["betas"], self.defaults["eps"]  # one setting for all groups
         steps = [self.state[p]["step"] for _, p in work]
         step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
-        update, many = self.update_fn or _master_adamw_update, None
-        if self.update_fn is None and self.fused and device.type == "cuda":
+        update, many = self._update or eager_master_adamw_update, None
+        if self._update is None and self.fused and device.type == "cuda":
+            # here, not at the top: the kernels need triton, which only CUDA builds of torch bring
             from titanlite.ops.master_adamw import master_adamw_update as update
             if not torch.cuda.is_current_stream_capturing():  # the launch's tables are copied in per change
                 from titanlite.ops.master_adamw import master_adamw_update_many as many
@@ -217,7 +229,7 @@ class MasterAdamW(torch.optim.Optimizer):
             args = (lr_on_device[lr], group["weight_decay"], beta1, beta2, eps, bias1, bias2_sqrt, scale, keep)
             st = [self.state[p] for p in ps]
             los = [local_tensor(s["master_lo"]) for s in st] if kind == "lo" else None
-            copies = [p.bf16_copy for p in ps] if kind == "copy" else None
+            copies = [self.masters.copies[p] for p in ps] if kind == "copy" else None
             ws, gs = [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps]
             ms, vs = [local_tensor(s["exp_avg"]) for s in st], [local_tensor(s["exp_avg_sq"]) for s in st]
             if many is not None and many(ws, gs, los, ms, vs, *args, copies=copies,
@@ -227,17 +239,19 @@ class MasterAdamW(torch.optim.Optimizer):
                 update(w.view(-1), gs[j].view(-1), None if los is None else los[j].view(-1),
                        ms[j].view(-1), vs[j].view(-1), *args, None if copies is None else copies[j].view(-1))
         torch._foreach_copy_(steps, [step] * len(steps))
-        self.grad_scale = self.found_inf = None
+        self._grad_scale = self._found_inf = None
         return None
 
 
-def zero_master_adamw(groups, moments_dtype: torch.dtype, **kw) -> torch.optim.Optimizer:
+def zero_master_adamw(groups, moments_dtype: torch.dtype, masters: MasterWeights, update: Callable | None = None,
+                      **kw) -> torch.optim.Optimizer:
     """zero1 over MasterAdamW: a ZeroRedundancyOptimizer whose per-rank optimizer (of its share of
-    the parameters) is MasterAdamW; `kw` are MasterAdamW's hyperparameters. (The moments' dtype is
-    bound to the class, not passed through ZeroRedundancyOptimizer, which would copy it into every
-    parameter group and so into checkpoints, where a ddp run's would lack it.)"""
-    local = functools.partial(MasterAdamW, moments_dtype=moments_dtype)
-    return _zero_master_adamw_class()(groups, optimizer_class=local, **kw)
+    the parameters) is MasterAdamW; `kw` are MasterAdamW's hyperparameters. (The moments' dtype, the
+    masters and the update are bound to the class, not passed through ZeroRedundancyOptimizer, which
+    would copy them into every parameter group and so into checkpoints, where a ddp run's would lack
+    them.)"""
+    local = functools.partial(MasterAdamW, moments_dtype=moments_dtype, masters=masters, update=update)
+    return _zero_master_adamw_class()(groups, masters, optimizer_class=local, **kw)
 
 
 @functools.cache
@@ -247,29 +261,25 @@ def _zero_master_adamw_class():
     class ZeroMasterAdamW(ZeroRedundancyOptimizer):
         """ZeroRedundancyOptimizer broadcasts the updated fp32 masters from their owners; each rank then
         rewrites the bf16 copies of the parameters it did not update (the update kernel wrote those of
-        its own). The fused clip's `grad_scale` / `found_inf`, set on this object, go to the local
-        MasterAdamW."""
+        its own). The fused clip (`scale_next_step`) goes to the local MasterAdamW."""
 
-        takes_grad_scale = True
-
-        def __init__(self, params, **kw):
+        def __init__(self, params, masters: MasterWeights, **kw):
             super().__init__(params, **kw)
-            self.grad_scale = self.found_inf = None
+            self.masters = masters
             local = {p for g in self.optim.param_groups for p in g["params"]}
             self.others = [p for g in self.param_groups for p in g["params"]
-                           if p not in local and hasattr(p, "bf16_copy")]
+                           if p not in local and masters.has_copy(p)]
+
+        def scale_next_step(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+            self.optim.scale_next_step(grad_scale, found_inf)
 
         def step(self, closure=None):
-            self.optim.grad_scale, self.optim.found_inf = self.grad_scale, self.found_inf
-            self.grad_scale = self.found_inf = None
             loss = super().step(closure)
             self.refresh_others()
             return loss
 
-        @torch.no_grad()
         def refresh_others(self) -> None:
-            for p in self.others:
-                p.bf16_copy.copy_(p)
+            self.masters.refresh(self.others)
 
         def sync_masters(self) -> None:
             self.optim.sync_masters()

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titanlite.config import parallel_settings
 from titanlite.ops.loss import cross_entropy
+from titanlite.ops.master_linear import MasterWeights
 from titanlite.parallel.apply import float8_scale_hook
-from titanlite.parallel.data_parallel import clip_grad_norm, fused_clip_supported, grad_sync, release_grads
+from titanlite.parallel.grads import FusedClip, clip_grad_norm, fused_clip_target, grad_sync, release_grads
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import autocasts
 
@@ -62,7 +64,9 @@ def make_forward_loss(model: nn.Module, loss: str, autocast_device: str | None,
     """Mean token loss of one micro-batch.
 
     `loss` is training.loss: "chunked" runs the output layer and the loss in token chunks inside the
-    model's forward; "cross_entropy" takes full logits (compiled with the blocks when `compile_loss`).
+    model's forward; "cross_entropy" takes full logits. `compile_loss` (compile.enable) compiles either
+    loss: the chunked one's per-chunk softmax / gradient kernel (the model is told at each call), or
+    the full-logits cross-entropy.
     `autocast_device` is the device type to run bf16 autocast on, or None (parallel.policy.autocasts).
     """
     loss_fn = torch.compile(cross_entropy) if compile_loss and loss == "cross_entropy" else cross_entropy
@@ -71,7 +75,7 @@ def make_forward_loss(model: nn.Module, loss: str, autocast_device: str | None,
         ctx = torch.autocast(autocast_device, dtype=torch.bfloat16) if autocast_device else _NULL
         with ctx:
             if loss == "chunked":
-                return model(inputs, labels)
+                return model(inputs, labels, compile_loss=compile_loss)
             logits = model(inputs)
         return loss_fn(logits, labels)
 
@@ -92,14 +96,16 @@ class TrainStep:
     forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     grad_accum: int
     max_norm: float
-    # The optimizer that takes the clip scale inside its update kernel (fused clip), or None
-    clip_into: torch.optim.Optimizer | None = None
+    # Where the clip scale goes into the optimizer's update kernel (fused clip), or None
+    clip_into: FusedClip | None = None
     # training.on_nan: "skip" drops an update with non-finite gradients (on the device when the
     # optimizer can, else after one host sync); "stop" leaves it to the caller's loss check
     on_nan: str = "stop"
     # Release gradients after the update. A captured graph keeps them: its first backward writes
     # them afresh on every replay.
     zero_grad: bool = True
+    # The bf16 copies' fp32 masters, whose gradients ddp keeps in its buckets (grads.release_grads)
+    masters: MasterWeights | None = None
 
     @property
     def skips_on_device(self) -> bool:
@@ -128,29 +134,27 @@ class TrainStep:
             else:
                 self.optimizer.step()  # a fused kernel skips a non-finite step on the device itself
             if self.zero_grad:
-                release_grads(self.model, self.optimizer)
+                release_grads(self.model, self.optimizer, self.masters)
         return StepOut(total, grad_norm, skipped)
 
 
 def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, grad_accum: int, dims,
-                     compile_loss: bool | None = None) -> TrainStep:
+                     masters: MasterWeights | None = None) -> TrainStep:
     """The step a run of `cfg` takes on `dims` (titanlite.parallel.dims.ParallelDims): its loss, bf16
     autocast where the run policy says so (titanlite.parallel.policy.autocasts), the clip fused into
-    the optimizer where the optimizer can take it (optimizer.fuse_clip) and the NaN policy. Work that
-    follows every update (float8's scale precompute under FSDP) is registered as the optimizer's
-    post-step hook, so a captured step replays it too."""
-    hook = float8_scale_hook(model, cfg.float8)
+    the optimizer where the optimizer can take it (optimizer.fuse_clip) and the NaN policy; `masters`:
+    parallelize's. Work that follows every update (float8's scale precompute under FSDP) is registered
+    as the optimizer's post-step hook, so a captured step replays it too."""
+    settings = parallel_settings(cfg)
+    hook = float8_scale_hook(model, settings.float8)
     if hook is not None:
         optimizer.register_step_post_hook(hook)
-    autocast = dims.device.type if autocasts(cfg, dims.world_size, dims.device.type) else None
-    fuse = cfg.optimizer.fuse_clip and fused_clip_supported(optimizer)
+    autocast = dims.device.type if autocasts(settings.precision, MODES[dims.mode], dims.device.type) else None
     return TrainStep(
-        model, optimizer,
-        make_forward_loss(model, cfg.training.loss, autocast,
-                          compile_loss=cfg.compile.enable if compile_loss is None else compile_loss),
+        model, optimizer, make_forward_loss(model, cfg.training.loss, autocast, compile_loss=cfg.compile.enable),
         grad_accum, cfg.training.max_norm,
-        clip_into=optimizer if fuse else None,  # the clip scale goes into the AdamW kernel
-        on_nan=cfg.training.on_nan)
+        clip_into=fused_clip_target(optimizer) if cfg.optimizer.fuse_clip else None,  # into the AdamW kernel
+        on_nan=cfg.training.on_nan, masters=masters)
 
 
 class NonFiniteLossError(RuntimeError):

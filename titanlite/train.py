@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root, finished_line
-from titanlite.config import ConfigError, JobConfig, load_config, resolve_batch, run_cli
+from titanlite.config import ConfigError, JobConfig, load_config, parallel_settings, resolve_batch, run_cli
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
 from titanlite.hardware import peak_tflops
@@ -38,6 +38,7 @@ from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
 from titanlite.parallel.apply import parallelize
 from titanlite.parallel.dims import init_distributed
+from titanlite.parallel.launch import Launch
 from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.step import (CudaGraphStep, NonFiniteLossError, StepHooks, build_train_step, check_finite,
                             global_step_losses, validation_loss)
@@ -116,9 +117,11 @@ class TimedHooks(StepHooks):
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, launch: Launch | None = None):
+        """`launch`: what the launcher said about this process (default: read from the environment now)."""
         self.cfg = cfg
-        self.dims = init_distributed(cfg)
+        settings = parallel_settings(cfg)  # what titanlite.parallel is told
+        self.dims = init_distributed(settings, launch or Launch.from_environ())
         self.device = self.dims.device
         self.grad_accum = resolve_batch(cfg, self.dims.dp_size)
         self.global_batch = cfg.training.local_batch_size * self.dims.dp_size * self.grad_accum
@@ -149,8 +152,9 @@ class Trainer:
         with torch.device("meta"):
             model = build_model(self.model_args, self.attention_backend, cfg.training.seq_len,
                                 cfg.training.loss_chunk_tokens, cfg.model.init)
-        self.model = model = parallelize(model, cfg, self.dims)
-        self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode)
+        self.model, self.masters = parallelize(model, settings, self.dims)
+        model = self.model
+        self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode, self.masters)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         if self.dims.is_main and (line := schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)):
             logger.warning(line)
@@ -171,7 +175,7 @@ class Trainer:
 
         # The step (titanlite.step): forward/backward over the micro-batches, clip, update; with
         # training.cuda_graphs the same step captured once and replayed (None when off or unavailable)
-        self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, self.dims)
+        self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, self.dims, self.masters)
         self.cuda_graph = CudaGraphStep.build(cfg.training.cuda_graphs, self.step, self.device,
                                               cfg.training.cuda_graphs_warmup, self.dims.mode, self.dims.is_main)
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
@@ -365,27 +369,28 @@ class Trainer:
         self.close()
 
 
-def run(cfg: JobConfig) -> BaseException | None:
+def run(cfg: JobConfig, launch: Launch | None = None) -> BaseException | None:
     """Train a run of `cfg`, the Trainer closed however it ends; returns the exit for `main` to raise
     (None on success). The failure's frames hold the Trainer, so they are dropped here: once this
     returns, the Trainer is gone."""
+    launch = launch or Launch.from_environ()
     try:
-        with Trainer(cfg) as trainer:
+        with Trainer(cfg, launch) as trainer:
             trainer.train()
     except BaseException as e:
-        failure = exit_for(e)
+        failure = exit_for(e, launch.rank)
         e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
         return failure
     return None
 
 
-def exit_for(e: BaseException) -> BaseException:
+def exit_for(e: BaseException, rank: int = 0) -> BaseException:
     """What a failed run exits with: one line for a known failure, else the traceback printed once."""
     if isinstance(e, NonFiniteLossError):
         print(f"error: {e}", file=sys.stderr)
         return SystemExit(3)
     if isinstance(e, CheckpointSaveError):  # one line, from rank 0 (every rank sees the same failure)
-        if os.environ.get("RANK", "0") == "0":
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return SystemExit(1)
     if isinstance(e, (ConfigError, SystemExit)):
@@ -394,10 +399,29 @@ def exit_for(e: BaseException) -> BaseException:
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
 
 
+# Same-seed CPU runs are bit-identical whatever their thread count (torchrun gives each rank one
+# thread, a plain run one per core) and from one process to the next: MKL splits a GEMM that reduces
+# over many rows (the weight gradients sum over every token) between its threads, so by default its
+# rounding follows the thread count; its strict reproducibility mode sums in one fixed order. The
+# AVX2 code path, not AUTO's pick: on AVX-512 CPUs AUTO's path still rounded differently in some
+# processes (where the buffers landed), the AVX2 one in none. MKL reads this at its first call, so a
+# training process sets it before any torch work (start_process); a value of your own wins.
+REPRODUCIBLE_CPU_MATH = {"MKL_CBWR": "AVX2,STRICT"}
+
+
+def start_process() -> Launch:
+    """What a training process does first: MKL's reproducible mode (REPRODUCIBLE_CPU_MATH, where unset),
+    then the launcher's environment, read once (titanlite.parallel.launch.Launch) to be handed down."""
+    for name, value in REPRODUCIBLE_CPU_MATH.items():
+        os.environ.setdefault(name, value)
+    return Launch.from_environ()
+
+
 def main(argv: list[str]) -> None:
+    launch = start_process()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    watch_launcher()  # under torchrun: stop when the launcher dies
-    failure = run(load_config(argv))
+    watch_launcher(launch)  # under torchrun: stop when the launcher dies
+    failure = run(load_config(argv, launch), launch)
     # The DDP wrapper went before its process group: one that outlives it can hang its rank while
     # the process exits (seen on gloo with 2 and 4 ranks).
     gc.collect()

@@ -10,6 +10,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from titanlite.train import start_process  # noqa: E402
+
+# The test process starts as a training process does (MKL's reproducible mode before its first call:
+# in-process runs are then bit-identical across thread counts, as `python -m titanlite.train` runs are)
+start_process()
+
 
 def free_port() -> int:
     with socket.socket() as s:

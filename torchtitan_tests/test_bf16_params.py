@@ -16,6 +16,7 @@ import torch
 
 from titanlite.config import ConfigError, load_config
 from titanlite.config.manager import check_combination
+from titanlite.ops.master_linear import MasterWeights
 from titanlite.optim import MasterAdamW, join_master, master_low_bits
 
 SHAPES = [(64, 32), (32,), (48, 64)]
@@ -33,12 +34,13 @@ def pair(fused: bool = False, device: str = "cpu", moments=torch.float32):
 
 
 def steps(ref, low, a, b, n: int, scale: float = 2.0):
-    """n steps with the same bf16 gradients; MasterAdamW divides by its grad_scale, torch's gets them divided."""
+    """n steps with the same bf16 gradients; MasterAdamW divides by the clip's scale (the fused clip's
+    interface), torch's gets them divided."""
     for _ in range(n):
         for r, w in zip(ref, low):
             g = torch.randn(r.shape, device=r.device).bfloat16()
             r.grad, w.grad = g.float() / scale, g
-        b.grad_scale = torch.tensor(scale, device=r.device)
+        b.scale_next_step(torch.tensor(scale, device=r.device), None)
         a.step()
         b.step()
 
@@ -71,7 +73,7 @@ def test_found_inf_skips_everything_on_device(fused, device):
     params = [w.detach().clone() for w in low]
     for w in low:
         w.grad = torch.full(w.shape, float("inf"), dtype=torch.bfloat16, device=device)
-    b.found_inf = torch.tensor(1.0, device=device)
+    b.scale_next_step(None, torch.tensor(1.0, device=device))
     b.step()
     for w, p in zip(low, params):
         assert torch.equal(w.detach(), p)
@@ -136,12 +138,14 @@ def test_kernel_is_the_eager_update(moments, launch, monkeypatch):
 
     def build(device, fused):
         params = [torch.nn.Parameter(w.to(device).bfloat16()) for w in masters[:-1]]
+        kept = MasterWeights()
         for p, w in zip(params, masters):
-            p.fp32_master = w.to(device)
+            kept.initial[p] = w.to(device)
         params.append(torch.nn.Parameter(masters[-1].to(device)))  # an fp32 parameter: its own master
         groups = [{"params": [params[0], params[2], params[3]], "weight_decay": 0.1},
                   {"params": [params[1]], "weight_decay": 0.0}]
-        return params, MasterAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused, moments_dtype=moments)
+        return params, MasterAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused, moments_dtype=moments,
+                                   masters=kept)
 
     (low, eager), (low_gpu, fused) = build("cpu", False), build("cuda", True)
     assert all(torch.equal(eager.master(w), m) for w, m in zip(low, masters))
@@ -176,10 +180,11 @@ def test_kernel_writes_the_bf16_copies(launch, monkeypatch):
 
     def build(device, fused):
         params = [torch.nn.Parameter(w.to(device)) for w in masters]
+        kept = MasterWeights()
         for p in params[:2]:
-            p.bf16_copy = p.detach().bfloat16()
+            kept.copies[p] = p.detach().bfloat16()
         return params, MasterAdamW([{"params": params, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                   fused=fused)
+                                   fused=fused, masters=kept)
 
     (ref, eager), (gpu, fused) = build("cpu", False), build("cuda", True)
     for _ in range(3):
@@ -193,8 +198,9 @@ def test_kernel_writes_the_bf16_copies(launch, monkeypatch):
         torch.testing.assert_close(wg.detach().cpu(), w.detach(), rtol=1e-6, atol=1e-7)
         assert "master_lo" not in fused.state[wg]
     for wg in gpu[:2]:
-        assert torch.equal(wg.bf16_copy, wg.detach().bfloat16())
-        assert not torch.equal(wg.bf16_copy.cpu(), masters[0 if wg.shape == (64, 32) else 1].bfloat16())  # it moved
+        copy = fused.masters.copies[wg]
+        assert torch.equal(copy, wg.detach().bfloat16())
+        assert not torch.equal(copy.cpu(), masters[0 if wg.shape == (64, 32) else 1].bfloat16())  # it moved
 
 
 def test_state_dict_round_trip_is_exact():
@@ -232,11 +238,13 @@ def test_bf16_params_by_mode_and_precision(extra, world, device, copies, autocas
     """training.bf16_params is on by default and refused nowhere: where the run computes in bf16, one
     device, ddp and zero1 keep bf16 copies of the matrices (with autocast for the rest); fsdp/hsdp
     get bf16 from FSDP's policy, without autocast."""
+    from titanlite.config import parallel_settings, run_mode
     from titanlite.parallel.policy import autocasts, bf16_copies
 
     cfg = load_config(extra)
     check_combination(cfg, world)
-    assert bf16_copies(cfg, world, device) == copies and autocasts(cfg, world, device) == autocast
+    precision, mode = parallel_settings(cfg).precision, run_mode(cfg, world)
+    assert bf16_copies(precision, mode, device) == copies and autocasts(precision, mode, device) == autocast
 
 
 @pytest.mark.parametrize("extra, world, needle", [
@@ -279,9 +287,9 @@ def test_initial_load_gives_the_copies_the_loaded_weights(tmp_path, monkeypatch)
         for i, p in enumerate(t.model.parameters()):
             loaded = torch.full(p.shape, 0.01 * (i + 1), device=p.device)
             assert torch.equal(t.optimizer.master(p), loaded)
-            if hasattr(p, "bf16_copy"):
-                copies += torch.equal(p.bf16_copy, loaded.bfloat16())
-        assert copies == sum(hasattr(p, "bf16_copy") for p in t.model.parameters()) > 0
+            if t.masters.has_copy(p):
+                copies += torch.equal(t.masters.copies[p], loaded.bfloat16())
+        assert copies == len(t.masters.copies) > 0
     finally:
         t.close()
 
@@ -312,15 +320,49 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
 
 def test_fused_clip_norm_covers_both_dtypes():
     """With MasterAdamW the clip takes the norm over bf16 and fp32 gradients (grouped by dtype for
-    torch's multi-tensor kernel) and hands the optimizer max_norm / norm."""
-    from titanlite.parallel.data_parallel import clip_grad_norm
+    torch's multi-tensor kernel) and hands the optimizer's next step norm / max_norm (and, skipping
+    non-finite steps, whether the norm is finite), through the FusedClip interface."""
+    from titanlite.parallel.grads import FusedClip, clip_grad_norm, fused_clip_target
 
     _, low, _, b = pair()
+    assert isinstance(b, FusedClip) and fused_clip_target(b) is b
+
+    class Handed:  # what the clip hands over: a FusedClip that keeps it
+        def scale_next_step(self, grad_scale, found_inf):
+            self.grad_scale, self.found_inf = grad_scale, found_inf
+
     model = torch.nn.Module()
     model.params = torch.nn.ParameterList(low + [torch.nn.Parameter(torch.randn(40))])  # one fp32 parameter
     for p in model.parameters():
         p.grad = torch.randn(p.shape, dtype=p.dtype)
-    norm = clip_grad_norm(model, 1.0, b)
+    handed = Handed()
+    norm = clip_grad_norm(model, 1.0, handed, skip_nonfinite=True)
     expected = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm()
     assert norm.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert b.grad_scale.item() == pytest.approx(expected.item() / 1.0, rel=1e-6)
+    assert handed.grad_scale.item() == pytest.approx(expected.item() / 1.0, rel=1e-6) and handed.found_inf.item() == 0
+    clip_grad_norm(model, 0.0, handed)  # measure only: no scale, no skip flag
+    assert handed.grad_scale is None and handed.found_inf is None
+
+
+def test_fused_clip_reaches_torchs_fused_adamw():
+    """torch's fused AdamW takes the clip through its own protocol (GradScaler's attributes), behind
+    fused_clip_target's adapter: a scale handed over divides the gradients as dividing them first does,
+    and found_inf skips the step. Not where torch's AdamW cannot (unfused, or capturable)."""
+    from titanlite.parallel.grads import fused_clip_target
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(8, 4), torch.randn(8, 4)
+    w1, w2 = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    a = torch.optim.AdamW([w1], lr=1e-2, fused=True)
+    b = torch.optim.AdamW([w2], lr=1e-2, fused=True)
+    assert fused_clip_target(torch.optim.AdamW([torch.nn.Parameter(start)], fused=False)) is None
+    assert fused_clip_target(torch.optim.AdamW([torch.nn.Parameter(start)], fused=True, capturable=True)) is None
+    w1.grad, w2.grad = grad / 4, grad.clone()
+    fused_clip_target(b).scale_next_step(torch.tensor(4.0), None)
+    a.step()
+    b.step()
+    torch.testing.assert_close(w2.detach(), w1.detach())
+    moved = w2.detach().clone()
+    fused_clip_target(b).scale_next_step(None, torch.tensor(1.0))
+    b.step()
+    assert torch.equal(w2.detach(), moved)

@@ -7,6 +7,7 @@ import pytest
 
 from titanlite.config import ConfigError, load_config, resolve_batch, to_toml
 from titanlite.config.manager import help_text
+from titanlite.parallel.launch import Launch
 
 from conftest import ROOT
 
@@ -292,7 +293,7 @@ def test_machine_presets_check_at_their_size_and_say_where_their_figures_come_fr
     """Each machine preset loads at its own GPU count with no accumulation left over, names its
     machine in [estimate], and says whether its figures were measured or only predicted."""
     world = int(path.stem.split("_")[-1].split("x")[0])  # llama_1.36b_8xh100 -> 8
-    cfg = load_config(["--job.config_file", str(path)], world)
+    cfg = load_config(["--job.config_file", str(path)], Launch(world_size=world))
     assert cfg.estimate.ngpu == world and path.stem.endswith(cfg.estimate.hardware)
     accum = resolve_batch(cfg, world)
     assert cfg.training.local_batch_size * accum * world == cfg.training.global_batch_size
@@ -313,7 +314,7 @@ ALL_PRESETS = sorted((ROOT / "train_configs").glob("*.toml"))
 def test_presets_warm_up_within_their_steps_or_say_they_only_benchmark(path):
     """A preset's lr peaks within its run and then decays, or its first comment line says it is for
     benchmarking only."""
-    cfg = load_config(["--job.config_file", str(path)], 8 if "_8x" in path.name else 1)
+    cfg = load_config(["--job.config_file", str(path)], Launch(world_size=8 if "_8x" in path.name else 1))
     first = path.read_text().splitlines()[0]
     assert cfg.lr_scheduler.warmup_steps < cfg.training.steps or first.startswith("# Benchmark only"), first
 

@@ -163,7 +163,7 @@ def test_lazy_chunks_are_fsdps_chunks():
     import torch
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from estimation.fsdp_shards import LazyChunks
+    from estimation.standins import LazyChunks
 
     for rows, ranks in [(5, 4), (3, 8), (8, 3), (7, 7), (32000, 16384), (1, 2)]:
         t = torch.arange(rows * 3.0).view(rows, 3)
@@ -435,8 +435,8 @@ def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch):
             counted.clear()  # the measured step only, not the warm-up
             run.step(2)
             seen[world] = Counter(counted)
-            copied = sum(1 for p in run.model.parameters() if not hasattr(p, "bf16_copy"))
-            masters = sum(1 for p in run.model.parameters() if hasattr(p, "bf16_copy"))
+            copied = sum(1 for p in run.model.parameters() if not run.masters.has_copy(p))
+            masters = len(run.masters.copies)
         finally:
             run.close()
     assert masters > 0 and seen[2] - seen[1] == Counter({"copy_": copied})
@@ -448,7 +448,7 @@ def test_fsdp_auto_reshard_follows_the_gpus_memory():
     those are small beside the GPU's memory (so peak memory grows by about the gathered blocks less the
     local shard) and free them where they are not; the fake run decides with the target GPU's memory."""
     from estimation.fake_run import FakeRun
-    from titanlite.parallel.data_parallel import KEEP_GATHERED_SHARE, blocks_reshard
+    from titanlite.parallel.fsdp import KEEP_GATHERED_SHARE, blocks_reshard
 
     assert blocks_reshard("auto", 10, 16 * 10) is False and blocks_reshard("auto", 11, 16 * 10) is True
     assert blocks_reshard("auto", 10, None) is True  # off CUDA: freed, as before
@@ -558,3 +558,70 @@ def test_beside_rates_are_per_gpu_with_the_mean_elsewhere():
     assert h100.beside_collectives == {"all_reduce": 0.1} and h100.sources["beside_all_reduce"] == "run A (d)"
     assert b200.beside_collectives == {"all_reduce": pytest.approx(0.3)}
     assert b200.sources["beside_all_reduce"] == "mean of the fits on h100, h200"
+
+
+def test_fake_run_refuses_beside_a_live_process_group():
+    """A fake run of several ranks starts a fake process group of its own: beside this process's own
+    group it refuses in one clear line and leaves that group as it was (it must not replace it)."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from estimation.fake_run import FakeRun
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        with pytest.raises(RuntimeError, match=r"^estimation's fake run of 2 ranks starts a fake process group of "
+                                               r"its own, and this process already has a live one"):
+            FakeRun(_cfg("--parallelism.data_parallel", "ddp"), 2)
+        assert dist.is_initialized() and dist.group.WORLD is group and dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stand_ins_are_restored():
+    """Every torch function the dry run stands in for (estimation.standins) is torch's own again once a
+    fake run is closed, and while each stand-in's context is left."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torch.nn.init as init
+    import torch.nn.parallel.distributed as ddp
+
+    import titanlite.ops.loss as loss
+    from estimation.fake_run import FakeRun
+    from estimation.standins import inductor_without_codegen
+
+    def torch_functions():
+        return (F.rms_norm, loss.fp32_mm, init.trunc_normal_, dist.Reducer, ddp._verify_param_shape_across_processes,
+                cfx.compile_fx)
+
+    before = torch_functions()
+    run = FakeRun(_cfg("--parallelism.data_parallel", "ddp"), 2)
+    try:
+        run.step(1)
+    finally:
+        run.close()
+    assert torch_functions() == before and not dist.is_initialized()
+    with inductor_without_codegen(lambda orig, *a, **k: orig(*a, **k)):
+        assert cfx.compile_fx is not before[-1]
+    assert torch_functions() == before
+
+
+def test_estimation_imports_no_private_name_of_titanlite():
+    """estimation/ reaches titanlite through its public names (the seams: parallelize's wrap=,
+    build_optimizer's update=, parallel_dims over a fake process group), never an underscore name."""
+    import ast
+
+    private = []
+    for path in sorted((ROOT / "estimation").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titanlite"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                private += [f"{path.name}: {node.module}" for part in node.module.split(".") if part.startswith("_")]
+            elif isinstance(node, ast.Import):
+                private += [f"{path.name}: {a.name}" for a in node.names
+                            if a.name.startswith("titanlite") and any(p.startswith("_") for p in a.name.split("."))]
+    assert private == []

@@ -393,13 +393,14 @@ def test_compiled_full_checkpointing_saves_nothing_but_the_output(mode):
     kept as much as selective does.)"""
     import torch
 
+    from titanlite.config import parallel_settings
     from titanlite.models import build_model, get_model_args
     from titanlite.parallel.apply import apply_ac, apply_bf16_params
 
     args = get_model_args("llama", "debug")
     model = build_model(args, "sdpa", 64)
     apply_bf16_params(model, "none")
-    apply_ac(model, load_config(["--activation_checkpoint.mode", mode]).activation_checkpoint)
+    apply_ac(model, parallel_settings(load_config(["--activation_checkpoint.mode", mode])).activation_checkpoint)
     x = torch.randn(4, 64, args.dim, requires_grad=True)
     fw = _forward_graph(model.layers["0"], x, torch.randn(2, 64, args.hdim))
     out = next(n for n in fw.graph.nodes if n.op == "output")
@@ -409,3 +410,37 @@ def test_compiled_full_checkpointing_saves_nothing_but_the_output(mode):
         assert [tuple(t.shape) for t in new] == [tuple(x.shape)]
     else:  # q, k, v, attention, o, w1, w3, w2 outputs at least
         assert saved_bytes > 4 * x.numel() * x.element_size()
+
+
+def test_memory_plan_falls_back_visibly(monkeypatch):
+    """memory_plan keeps Inductor's own order where its reordered graph would not hold together, and
+    says so: a MemoryPlanFallback warning, which the test suite turns into an error (pyproject.toml)."""
+    import torch
+    import torch.fx as fx
+
+    import estimation.compiled as compiled
+
+    def graph():
+        g = fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.mm.default, (x, x))
+        z = g.call_function(torch.ops.aten.relu.default, (y,))
+        g.output(z)
+        for n in g.nodes:
+            n.meta["val"] = torch.empty(4, 4)
+        return g
+
+    def misplace(g, groups, mat):  # a reorder gone wrong: a node placed before its input
+        nodes = list(g.nodes)
+        nodes[1].prepend(nodes[2])
+        return {}
+
+    inductors_order = [n.name for n in graph().nodes]
+    monkeypatch.setattr(compiled, "_run_groups_together", misplace)
+    g = graph()
+    with pytest.warns(compiled.MemoryPlanFallback, match="kept a graph's own order"):
+        compiled.memory_plan(g, compiled.materialized(g))
+    assert [n.name for n in g.nodes] == inductors_order
+    g = graph()
+    with pytest.raises(compiled.MemoryPlanFallback):  # an error under the tests
+        compiled.memory_plan(g, compiled.materialized(g))

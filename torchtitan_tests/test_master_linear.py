@@ -138,7 +138,7 @@ def test_default_computes_what_autocast_computes(tmp_path, loss):
     t = Trainer(load_config(base_args(tmp_path / "default", 4, *BF16, *accum)))
     ref = Trainer(load_config(base_args(tmp_path / "autocast", 4, *AUTOCAST, *accum)))
     assert type(t.optimizer) is MasterAdamW and type(ref.optimizer) is torch.optim.AdamW
-    copies = {n: p for n, p in t.model.named_parameters() if hasattr(p, "bf16_copy")}
+    copies = {n: p for n, p in t.model.named_parameters() if t.masters.has_copy(p)}
     assert "layers.0.attention.wq.weight" in copies and "layers.3.feed_forward.w2.weight" in copies
     assert ("output.weight" in copies) == (loss == "cross_entropy")
     assert not copies.keys() & {"tok_embeddings.weight", "norm.weight", "layers.0.ffn_norm.weight"}
@@ -149,7 +149,7 @@ def test_default_computes_what_autocast_computes(tmp_path, loss):
     ref.train()
     for n, p in copies.items():
         assert isinstance(t.model.get_submodule(n.removesuffix(".weight")), MasterLinear)
-        assert torch.equal(p.bf16_copy, p.detach().bfloat16()), n  # rewritten with every update
+        assert torch.equal(t.masters.copies[p], p.detach().bfloat16()), n  # rewritten with every update
     ours, theirs = step_losses(t), step_losses(ref)
     assert ours[0] == theirs[0] and ours == pytest.approx(theirs, rel=5e-4) and ours != theirs
     t.close()
@@ -174,7 +174,7 @@ def test_compile_and_selective_checkpointing_change_nothing(tmp_path):
     for n, p in compiled.model.named_parameters():
         ref = grads[strip(n)].grad
         assert p.grad.dtype == torch.float32 and (p.grad - ref).norm() < 1e-2 * ref.norm(), n
-        checked += hasattr(p, "bf16_copy")
+        checked += compiled.masters.has_copy(p)
     assert checked == 4 * 7  # every block matrix of the debug model
     eager.close()
     compiled.close()
@@ -191,7 +191,7 @@ ACCUM = ["--training.global_batch_size", "8"]
 
 def first_step_grads(t) -> dict[str, torch.Tensor]:
     """The gradients of the first optimizer step's micro-batches, reduced as the step reduces them."""
-    from titanlite.parallel.data_parallel import grad_sync
+    from titanlite.parallel.grads import grad_sync
 
     for micro in range(t.grad_accum):
         with grad_sync(t.model, micro == t.grad_accum - 1):
@@ -214,8 +214,7 @@ def _runs(rank: int, out_dir: str, results: dict) -> None:
                 torch.save(grads, os.path.join(out_dir, "grads.pt"))
             probe.close()
         t.train()
-        stale = sum(not torch.equal(p.bf16_copy, p.detach().bfloat16())
-                    for p in t.model.parameters() if hasattr(p, "bf16_copy"))
+        stale = sum(not torch.equal(copy, p.detach().bfloat16()) for p, copy in t.masters.copies.items())
         if rank == 0:
             results[name] = {"losses": step_losses(t), "optimizer": type(t.optimizer).__name__,
                              "local": type(getattr(t.optimizer, "optim", t.optimizer)).__name__,
@@ -253,7 +252,7 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo_rank(rank, world, port, out_dir) as results:
         t = Trainer(load_config(base_args(os.path.join(out_dir, "ddp"), 2, *BF16, *ACCUM,
                                           "--parallelism.data_parallel", "ddp")))
-        masters = {p.numel() for p in t.model.parameters() if hasattr(p, "bf16_copy")}
+        masters = {p.numel() for p in t.model.parameters() if t.masters.has_copy(p)}
         recorder = OpRecorder(log=True)
 
         class InBackward(StepHooks):
@@ -264,7 +263,7 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for step in range(4):  # DDP lays out its buckets anew in step 2; from step 3 on they stay
             t.step(lambda micro: t.next_batch(), InBackward() if step == 3 else NO_HOOKS)
             storages.append({p.grad.untyped_storage().data_ptr() for p in t.model.parameters()
-                             if hasattr(p, "bf16_copy")})
+                             if t.masters.has_copy(p)})
         copied = [str(f) for f, dtype, numel in recorder.log
                   if f in (torch.ops.aten.copy_.default, torch.ops.aten.mul.out, torch.ops.aten.div_.Tensor,
                            torch.ops.aten.div_.Scalar)
@@ -295,8 +294,8 @@ def test_cuda_compiled_and_captured_steps(tmp_path):
     t, replayed = run_single(tmp_path / "graphs", 4, *gpu, "--compile.enable", "--training.cuda_graphs",
                              "--training.cuda_graphs_warmup", "2")
     assert t.cuda_graph is not None and not t.cuda_graph.failed and type(t.optimizer) is MasterAdamW
-    params = [p for p in t.model.parameters() if hasattr(p, "bf16_copy")]
-    assert params and all(torch.equal(p.bf16_copy, p.detach().bfloat16()) for p in params)
+    params = [p for p in t.model.parameters() if t.masters.has_copy(p)]
+    assert params and all(torch.equal(t.masters.copies[p], p.detach().bfloat16()) for p in params)
     assert replayed == pytest.approx(eager, rel=2e-3)
 
 
@@ -318,8 +317,8 @@ def test_default_resumes_exactly(tmp_path):
     whole = losses(_train(tmp_path, *BF16))
     t = _train(tmp_path, *BF16, "--checkpoint.load_step", "4")
     assert losses(t) == {5: whole[5], 6: whole[6]}
-    params = [p for p in t.model.parameters() if hasattr(p, "bf16_copy")]
-    assert params and all(torch.equal(p.bf16_copy, p.detach().bfloat16()) for p in params)
+    params = [p for p in t.model.parameters() if t.masters.has_copy(p)]
+    assert params and all(torch.equal(t.masters.copies[p], p.detach().bfloat16()) for p in params)
 
 
 @pytest.mark.parametrize("saved, loaded", [(AUTOCAST, BF16), (BF16, AUTOCAST)], ids=["autocast->default",
@@ -334,8 +333,8 @@ def test_checkpoints_load_across_autocast_and_the_default(tmp_path, saved, loade
     assert probe.state.step == 4 and type(probe.optimizer) is not type(reference.optimizer)
     for p, q in zip(probe.model.parameters(), reference.model.parameters()):
         assert torch.equal(p, q)
-        if hasattr(p, "bf16_copy"):
-            assert torch.equal(p.bf16_copy, p.detach().bfloat16())
+        if probe.masters.has_copy(p):
+            assert torch.equal(probe.masters.copies[p], p.detach().bfloat16())
     mine, theirs = probe.optimizer.state_dict()["state"], reference.optimizer.state_dict()["state"]
     for i, st in theirs.items():
         for k in ("exp_avg", "exp_avg_sq"):
@@ -368,8 +367,8 @@ def test_hf_export_and_initial_load_carry_the_masters(tmp_path):
                                            str(folder))))
     for p, q in zip(loaded.model.parameters(), t.model.parameters()):
         assert torch.equal(p, q)
-        if hasattr(p, "bf16_copy"):
-            assert torch.equal(p.bf16_copy, q.detach().bfloat16())
+        if loaded.masters.has_copy(p):
+            assert torch.equal(loaded.masters.copies[p], q.detach().bfloat16())
     loaded.close()
 
 
@@ -378,8 +377,7 @@ def test_float8_matrices_keep_their_own_form(mode):
     """float8 (emulated here): torchao's Float8Linear keeps a bf16 weight whose fp32 master (the fp32
     initialisation) MasterAdamW holds as low bits; no bf16 copy is made for it. Under zero1, whose
     ZeroRedundancyOptimizer takes one dtype, the weights stay fp32 and torchao casts them itself."""
-    from types import SimpleNamespace
-
+    from titanlite.config import parallel_settings
     from titanlite.models import build_model, get_model_args
     from titanlite.optim import build_optimizer
     from titanlite.parallel.apply import apply_bf16_params, apply_float8, materialize
@@ -387,17 +385,18 @@ def test_float8_matrices_keep_their_own_form(mode):
     cfg = load_config([*BF16, "--float8.enable", "--float8.emulate"])
     with torch.device("meta"):
         model = build_model(get_model_args("llama", "debug"), "sdpa", 32)
-    apply_float8(model, cfg.float8, torch.device("cpu"))
+    apply_float8(model, parallel_settings(cfg).float8)
     materialize(model, torch.device("cpu"), 0)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    apply_bf16_params(model, mode)
+    masters = apply_bf16_params(model, mode)
+    assert not masters.copies and len(masters.initial) == (0 if mode == "zero1" else 4 * 7)
     f8 = {n: p for n, p in model.named_parameters() if type(model.get_submodule(n.rsplit(".", 1)[0])).__name__
           == "Float8Linear"}
     assert len(f8) == 4 * 7 and not any(isinstance(m, MasterLinear) for m in model.modules())
     assert all(p.dtype == (torch.float32 if mode == "zero1" else torch.bfloat16) for p in f8.values())
     if mode == "none":
-        opt = build_optimizer(model, cfg, torch.device("cpu"))
-        assert type(opt) is MasterAdamW
+        opt = build_optimizer(model, cfg, torch.device("cpu"), masters=masters)
+        assert type(opt) is MasterAdamW and not masters.initial  # the optimizer took the fp32 initial values
         for n, p in f8.items():
             assert torch.equal(opt.master(p).bfloat16(), p.detach())
             assert (opt.master(p).view(torch.int32) - init[n].view(torch.int32)).abs().max() <= 1  # see master_low_bits

@@ -79,8 +79,15 @@ def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
                              # what this rank holds, as a fraction of the model: parameters and AdamW state
                              "params_held": sum(local(p) for p in params) / full,
                              "state_held": sum(local(st["exp_avg"]) for st in own_optimizer.state.values()) / full,
-                             "bf16_copies": any(hasattr(p, "bf16_copy") for p in params),
-                             "mesh": list(params[0].device_mesh.shape) if hasattr(params[0], "device_mesh") else None}
+                             "bf16_copies": bool(t.masters.copies),
+                             "mesh": list(params[0].device_mesh.shape) if hasattr(params[0], "device_mesh") else None,
+                             # the job's one mesh, built where the process group started: its dims, and
+                             # the wrapper's collectives over it (DDP's group, FSDP's mesh)
+                             "job_mesh": dict(zip(t.dims.mesh.mesh_dim_names, t.dims.mesh.shape)),
+                             "dp": [t.dims.dp_size, t.dims.dp_rank],
+                             "wrapper_on_job_mesh": (t.model.process_group is t.dims.mesh.get_group("dp_replicate")
+                                                     if hasattr(t.model, "process_group")
+                                                     else params[0].device_mesh == t.dims.mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +111,12 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     assert held("zero1")[0] == 1.0 and 0.3 < held("zero1")[1] < 0.7  # replicas, the state partitioned
     assert all(0.3 < x < 0.7 for x in held("fsdp")) and results["fsdp"]["mesh"] == [2]  # both sharded
     assert results["hsdp_2x1"]["mesh"] == [2, 1] and results["hsdp_1x2"]["mesh"] == [1, 2]
+    assert results["ddp"]["job_mesh"] == results["zero1"]["job_mesh"] == {"dp_replicate": 2}
+    assert results["fsdp"]["job_mesh"] == {"dp_shard": 2}
+    assert results["hsdp_2x1"]["job_mesh"] == {"dp_replicate": 2, "dp_shard": 1}
     for name, r in results.items():
         assert r["world"] == 2 and r["mode"] == DIST_RUNS[name][1][1]
+        assert r["dp"] == [2, 0] and r["wrapper_on_job_mesh"], name
         assert r["accum"] == (2 if "accum" in name else 1)
         if name in LOSSY:
             continue
@@ -150,17 +161,17 @@ def test_activation_checkpointing_changes_no_loss(reference, tmp_path, ac):
 def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
     """float8 (emulated), AC and compile wrap modules on meta; materialise + init still gives the
     very weights of the plain model (what makes the modes comparable), and ties stay tied."""
-    from types import SimpleNamespace
-
+    from titanlite.config import parallel_settings
     from titanlite.models import build_model, get_model_args
     from titanlite.parallel.apply import parallelize
+    from titanlite.parallel.dims import parallel_dims
+    from titanlite.parallel.launch import Launch
 
     def build(*extra):
-        cfg = load_config(["--model.name", name, *extra])
+        settings = parallel_settings(load_config(["--model.name", name, *extra]))
         with torch.device("meta"):
             model = build_model(get_model_args(name, "debug"), "sdpa", 32)
-        dims = SimpleNamespace(world_size=1, rank=0, mode="none", device=torch.device("cpu"))
-        return parallelize(model, cfg, dims)
+        return parallelize(model, settings, parallel_dims(settings.data_parallel, Launch(), torch.device("cpu"))).model
 
     def weights(model):  # canonical names: wrappers add _orig_mod / _checkpoint_wrapped_module
         strip = lambda n: n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
@@ -216,17 +227,51 @@ def test_bad_selective_option_is_a_config_error(tmp_path):
                                       "--activation_checkpoint.selective_option", "half")))
 
 
-def test_hsdp_degrees_must_cover_the_world(monkeypatch):
-
+def test_hsdp_degrees_must_cover_the_world():
+    from titanlite.config import parallel_settings
+    from titanlite.parallel.launch import Launch
     from titanlite.parallel.policy import hsdp_shape
 
-    cfg = load_config(["--parallelism.replicate_degree", "3"])
+    dp = lambda *args: parallel_settings(load_config(list(args))).data_parallel
     with pytest.raises(ConfigError, match=r"replicate_degree \(3\) x parallelism.shard_degree"):
-        hsdp_shape(cfg, 4)
-    assert hsdp_shape(load_config(["--parallelism.replicate_degree", "2"]), 8) == (2, 4)
-    assert hsdp_shape(load_config(["--parallelism.shard_degree", "2"]), 8) == (4, 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: shard per node, replicate across
-    assert hsdp_shape(load_config([]), 8) == (2, 4)
+        hsdp_shape(dp("--parallelism.replicate_degree", "3"), 4)
+    assert hsdp_shape(dp("--parallelism.replicate_degree", "2"), 8) == (2, 4)
+    assert hsdp_shape(dp("--parallelism.shard_degree", "2"), 8) == (4, 2)
+    assert hsdp_shape(dp(), 8, ranks_per_host=4) == (2, 4)  # two nodes of 4: shard per node, replicate across
+    assert hsdp_shape(dp(), 8) == (1, 8)  # the launcher does not say: one replica
+    # the launcher's record reaches the check where the config loads (torchrun's LOCAL_WORLD_SIZE, read once)
+    with pytest.raises(ConfigError, match=r"replicate_degree \(1\) x parallelism.shard_degree \(3\)"):
+        load_config(["--parallelism.data_parallel", "hsdp"], Launch(world_size=4, ranks_per_host=3))
+    load_config(["--parallelism.data_parallel", "hsdp"], Launch(world_size=4, ranks_per_host=2))
+
+
+def test_the_job_has_one_mesh_with_named_dims():
+    """parallel_dims lays the ranks out once, over the process group that is up, as the mode's named
+    dimensions; ParallelDims answers the data-parallel size and rank from it (here rank 5 of 8 on a fake
+    process group, two hosts of 4)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from titanlite.config import parallel_settings
+    from titanlite.parallel.dims import parallel_dims
+    from titanlite.parallel.launch import Launch
+
+    def dims(mode, rank=5, **launch):
+        dp = parallel_settings(load_config(["--parallelism.data_parallel", mode])).data_parallel
+        return parallel_dims(dp, Launch(**{"world_size": 8, "rank": rank, **launch}), torch.device("cpu"))
+
+    assert dims("fsdp", 0, world_size=1).mesh is None and dims("fsdp", 0, world_size=1).dp_size == 1
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        hsdp = dims("hsdp", ranks_per_host=4)
+        assert dict(zip(hsdp.mesh.mesh_dim_names, hsdp.mesh.shape)) == {"dp_replicate": 2, "dp_shard": 4}
+        assert (hsdp.size("dp_replicate"), hsdp.size("dp_shard"), hsdp.dp_size, hsdp.dp_rank) == (2, 4, 8, 5)
+        assert hsdp.mesh.get_group("dp_shard").size() == 4 and hsdp.ranks_per_host == 4
+        for mode, dim in (("fsdp", "dp_shard"), ("ddp", "dp_replicate"), ("zero1", "dp_replicate")):
+            d = dims(mode)
+            assert d.mesh.mesh_dim_names == (dim,) and (d.size(dim), d.dp_size, d.dp_rank) == (8, 8, 5), mode
+            assert d.size("dp_replicate" if dim == "dp_shard" else "dp_shard") == 1
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------ float8
@@ -350,22 +395,25 @@ def test_cuda_graphs_refuse_fsdp_naming_why():
 def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():
     """RoPE tables are the only buffers and never change, so DDP must not broadcast them before every
     forward; the switch is named differently on torch 2.11 and 2.13, and the old name warns on 2.13."""
-    import types
     import warnings
 
     import torch.nn as nn
 
-    from titanlite.parallel.data_parallel import apply_ddp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlite.config import parallel_settings
+    from titanlite.parallel.ddp import apply_ddp
+    from titanlite.parallel.dims import ParallelDims
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = nn.Linear(2, 2)
         model.register_buffer("table", torch.zeros(2))
+        dims = ParallelDims("ddp", 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_replicate",)))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ddp = apply_ddp(model, load_config(["--parallelism.data_parallel", "ddp"]),
-                            types.SimpleNamespace(device=torch.device("cpu")))
+            ddp = apply_ddp(model, parallel_settings(load_config(["--parallelism.data_parallel", "ddp"])), dims)
         assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
     finally:
         dist.destroy_process_group()
@@ -437,14 +485,14 @@ H100 = ("NVIDIA H100 80GB HBM3", 450.0)
     ("off", None, False, 8, 8, H100, "off"),
 ])
 def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, float8, shard, per_host, gpu, why):
-    from titanlite.parallel.data_parallel import copy_engine_decision
+    from titanlite.parallel.copy_engine import copy_engine_decision
 
     got, reason = copy_engine_decision(setting, refusal, float8, shard, per_host, *gpu)
     assert got is (why == "on") and reason.startswith(why), reason
 
 
 def test_copy_engine_on_refuses_where_it_cannot():
-    from titanlite.parallel.data_parallel import copy_engine_decision, nccl_refusal
+    from titanlite.parallel.copy_engine import copy_engine_decision, nccl_refusal
 
     assert nccl_refusal((2, 28, 9)) is None and nccl_refusal((2, 30, 0, "+cuda13")) is None
     old = nccl_refusal((2, 27, 3))

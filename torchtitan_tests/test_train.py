@@ -180,8 +180,8 @@ def test_failed_run_frees_the_trainer_before_the_process_group(tmp_cache, monkey
     trainers, seen = [], []
     init = T.Trainer.__init__
 
-    def tracked_init(self, cfg):
-        init(self, cfg)
+    def tracked_init(self, *args):
+        init(self, *args)
         trainers.append(weakref.ref(self))
 
     def crash(self):
@@ -289,10 +289,35 @@ def alive(pid: int) -> bool:
 
 def test_launcher_watch_only_under_torchrun(monkeypatch):
     """A process started by a shell is not watched: a run under nohup must outlive its shell."""
+    from titanlite.parallel.launch import Launch
     from titanlite.parallel.launcher_watch import watch_launcher
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert watch_launcher() is None
+    assert watch_launcher(Launch.from_environ()) is None
+
+
+def test_the_launchers_environment_is_read_once_into_a_record():
+    """torchrun's variables become one typed record (what a process with none of them set is: one rank
+    alone), which the entry points hand down."""
+    from titanlite.parallel.launch import Launch
+
+    assert Launch.from_environ({}) == Launch(world_size=1, rank=0, local_rank=0, ranks_per_host=None, torchrun=False)
+    got = Launch.from_environ({"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
+                               "TORCHELASTIC_RUN_ID": "x"})
+    assert got == Launch(world_size=16, rank=9, local_rank=1, ranks_per_host=8, torchrun=True) and not got.is_main
+
+
+def test_a_training_process_sets_mkls_reproducible_mode_where_it_starts(monkeypatch):
+    """start_process (the first thing titanlite.train's main does) sets MKL's strict AVX2 mode unless the
+    user set a value of their own; importing titanlite sets nothing (test_imports.py)."""
+    from titanlite.train import start_process
+
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    start_process()
+    assert os.environ["MKL_CBWR"] == "AVX2,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    start_process()
+    assert os.environ["MKL_CBWR"] == "COMPATIBLE"
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's reproducibility mode (x86 builds of torch)")
@@ -300,7 +325,7 @@ def test_cpu_runs_do_not_depend_on_the_thread_count(tmp_cache):
     """Same seed on 1 and 2 intra-op threads: the same weights after every step, bit for bit. Without
     MKL's strict reproducibility mode the weight gradients (a GEMM over 1,024 tokens) round differently
     from step 1 on, and the loss leaves the other run's trajectory a few steps later."""
-    assert os.environ["MKL_CBWR"] == "AVX2,STRICT"  # set by `import titanlite`, before MKL's first call
+    assert os.environ["MKL_CBWR"] == "AVX2,STRICT"  # set by conftest's start_process, before MKL's first call
     before, weights = torch.get_num_threads(), []
     try:
         for threads in (1, 2):
@@ -323,7 +348,8 @@ def test_cpu_runs_do_not_depend_on_the_thread_count(tmp_cache):
 _ONE_PROCESS = """
 import hashlib, sys, torch
 from titanlite.config import load_config
-from titanlite.train import Trainer
+from titanlite.train import Trainer, start_process
+start_process()  # what titanlite.train's main does first
 t = Trainer(load_config(["--training.dataset", "synthetic", "--training.steps", "2", "--training.seq_len", "256",
                          "--training.local_batch_size", "16", "--validation.enable=false", "--data.num_workers", "0",
                          "--metrics.progress_bar=false", "--job.dump_folder", sys.argv[1]]))
@@ -340,7 +366,7 @@ print(h.hexdigest())
 def test_cpu_runs_are_the_same_in_every_process(tmp_path):
     """Six processes, same seed, the debug run's shapes: the same weights after two steps, bit for bit.
     With MKL's AUTO code path on an AVX-512 CPU two processes in ten rounded their GEMMs differently."""
-    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}  # the value `import titanlite` sets
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}  # the value start_process sets
     digests = set()
     for i in range(6):
         r = subprocess.run([sys.executable, "-c", _ONE_PROCESS, str(tmp_path / str(i))], capture_output=True,

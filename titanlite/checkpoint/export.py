@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,14 +43,17 @@ def load_model_state(folder: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from titanlite.checkpoint.manager import DCP_SINGLE_PROCESS_WARNING
     from titanlite.checkpoint.restricted import RestrictedPlanner, RestrictedReader, read_metadata
 
     metadata = read_metadata(folder / ".metadata")
     model = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load({"model": model}, storage_reader=RestrictedReader(folder, metadata), planner=RestrictedPlanner(folder),
-             no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
+        dcp.load({"model": model}, storage_reader=RestrictedReader(folder, metadata),
+                 planner=RestrictedPlanner(folder), no_dist=True)
     return model
 
 

@@ -46,8 +46,6 @@ from titanlite.checkpoint.writer import StateWriter
 from titanlite.config import ConfigError
 
 logger = logging.getLogger("titanlite")
-# A single process passes no_dist=True on purpose; DCP still warns about it on every call.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # Optimizer state keyed "state.<param>.<key>" / "param_groups.<param>.<key>": one entry per
 # parameter, independent of how the optimizer groups or partitions them (zero1 included).
@@ -128,6 +126,18 @@ def _optimizers(optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
+# A single process calls DCP without a process group on purpose (no_dist=True); DCP still warns about it
+# on every call.
+DCP_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def quiet_single_process_dcp() -> None:
+    """Silence DCP_SINGLE_PROCESS_WARNING, where a single-process Checkpointer starts (never at import).
+    A process-wide filter: async saves call DCP from a background thread, which a filter scoped to a
+    call (warnings.catch_warnings) would not reach."""
+    warnings.filterwarnings("ignore", message=DCP_SINGLE_PROCESS_WARNING)
+
+
 class Checkpointer:
     def __init__(self, cfg, dims, model, optimizer, stateful: dict, per_rank: dict, info: dict | None = None,
                  global_batch: int | None = None):
@@ -140,6 +150,8 @@ class Checkpointer:
         # DCP's planning collectives run on their own gloo groups: host-side, never a GPU sync, and
         # a background async save never shares a group with the training thread.
         self.group = dist.new_group(backend="gloo") if distributed else None
+        if self.group is None:
+            quiet_single_process_dcp()
         self.async_mode = self.ck.async_mode if self.ck.enable else "disabled"
         self.async_group = (dist.new_group(backend="gloo")
                             if distributed and self.async_mode != "disabled" else None)

@@ -16,6 +16,7 @@ import sys
 from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
 from titanlite.errors import missing_package
 from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
+from titanlite.parallel.launch import Launch
 
 def gpu_capabilities() -> list[tuple[int, int]] | None:
     """Compute capabilities of this node's NVIDIA GPUs: [] on a machine without nvidia-smi or without
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> None:
         if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
             raise ConfigError("--world-size expects a positive integer")
         world, argv = int(argv[1]), argv[2:]
-    cfg = load_config(argv, world)
+    cfg = load_config(argv, Launch(world_size=world))  # before torchrun: no launcher has said more yet
     resolve_batch(cfg, world)
     check_launch(cfg, gpu_capabilities())
 

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.job_config import JobConfig
+from titanlite.config.settings import parallel_settings, run_mode
 from titanlite.errors import ConfigError
+from titanlite.parallel.launch import Launch
 from titanlite.parallel.modes import MODES
-from titanlite.parallel.policy import hsdp_shape, run_mode
+from titanlite.parallel.policy import hsdp_shape
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,6 +156,12 @@ def _set(cfg: JobConfig, dotted: str, value: Any, text: bool = False) -> None:
     setattr(getattr(cfg, section), key, converted)
 
 
+def set_key(cfg: JobConfig, dotted: str, value: Any) -> None:
+    """Set `section.key` to `value` with the checks a command-line value gets (estimation's recommender
+    applies its candidate settings through it)."""
+    _set(cfg, dotted, value)
+
+
 def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
     """Turn argv into (dotted key, raw value) pairs; bare boolean flags become True."""
     pairs, i = [], 0
@@ -197,9 +205,10 @@ def find_config_file(name: str) -> str:
     raise ConfigError(f"config file not found: {name}{where} (--job.config_file)")
 
 
-def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+def load_config(argv: list[str] | None = None, launch: Launch | None = None) -> JobConfig:
     """Build a JobConfig from defaults, the TOML named by --job.config_file, then the CLI, and
-    validate it for `world_size` ranks (default: torchrun's WORLD_SIZE, else 1). Every check of a
+    validate it for the job `launch` describes (its world size and ranks per host; default: what the
+    launcher's environment says now, one process where it says nothing). Every check of a
     configuration happens here, so a config that loads can run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pairs = _split_cli(argv)
@@ -227,7 +236,8 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
         _set(cfg, k, v, text=True)
     cfg.job.config_file = config_file
     validate(cfg)
-    check_combination(cfg, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    launch = launch or Launch.from_environ()
+    check_combination(cfg, launch.world_size, launch.ranks_per_host)
     return cfg
 
 
@@ -293,12 +303,13 @@ def check_moments_dtype(cfg: JobConfig, world: int) -> None:
                           f"moment would change by less than bf16 resolves per step; use beta2 <= 0.99 or float32")
 
 
-def check_combination(cfg: JobConfig, world: int) -> None:
+def check_combination(cfg: JobConfig, world: int, ranks_per_host: int | None = None) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
-    `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback)."""
+    `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback).
+    `ranks_per_host`: the launcher's (titanlite.parallel.launch.Launch), None where unknown."""
     check_world_size(cfg, world)
     if run_mode(cfg, world).name == "hsdp":
-        hsdp_shape(cfg, world)
+        hsdp_shape(parallel_settings(cfg).data_parallel, world, ranks_per_host)
     if cfg.training.cuda_graphs:
         check_cuda_graphs(cfg, world)
     if cfg.optimizer.moments_dtype == "bfloat16":
@@ -362,6 +373,6 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     try:
         main(argv)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
+        if Launch.from_environ().is_main:  # every rank finds the same error: one line
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

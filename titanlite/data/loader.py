@@ -33,8 +33,6 @@ from titanlite.config import ConfigError
 from titanlite.data.shards import windows_in
 
 logger = logging.getLogger("titanlite")
-# torchdata 0.11 calls a torch API that newer torch deprecates; harmless, and noisy once per loader.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -179,7 +177,11 @@ class TrainLoader:
         if workers > 0:
             kwargs.update(prefetch_factor=c.prefetch_factor, persistent_workers=c.persistent_workers)
         if StatefulDataLoader is not None:
-            return StatefulDataLoader(self.dataset, **kwargs)
+            with warnings.catch_warnings():
+                # torchdata 0.11's constructor calls a torch API that newer torch deprecates: harmless, and
+                # noisy once per loader (a filter for this call only: importing titanlite installs none)
+                warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+                return StatefulDataLoader(self.dataset, **kwargs)
         _warn_no_torchdata()
         return torch.utils.data.DataLoader(self.dataset, **kwargs)
 

@@ -140,7 +140,6 @@ class Transformer(nn.Module):
         self.args, self.max_seq_len = args, max_seq_len
         self.init = init  # the scheme in INITS that init_weights applies
         self.loss_chunk_tokens = loss_chunk_tokens  # tokens per logits chunk in forward(tokens, labels)
-        self.compile_loss = False  # set by titanlite.parallel.apply_compile
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps FQNs stable when blocks are wrapped or compiled.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, attention_backend) for i in range(args.n_layers)})
@@ -178,11 +177,11 @@ class Transformer(nn.Module):
             h = block(h, rope)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, compile_loss: bool = False) -> torch.Tensor:
         """Logits (B, S, V); with `labels`, the mean cross-entropy instead, through the chunked
         linear + loss that never materialises fp32 logits (it runs inside forward so that wrappers
-        such as FSDP have the output weight gathered)."""
+        such as FSDP have the output weight gathered); `compile_loss` compiles its per-chunk kernel."""
         h = self.hidden_states(tokens)
         if labels is None:
             return self.output(h)
-        return chunked_linear_cross_entropy(h, self.output.weight, labels, self.loss_chunk_tokens, self.compile_loss)
+        return chunked_linear_cross_entropy(h, self.output.weight, labels, self.loss_chunk_tokens, compile_loss)

@@ -8,7 +8,7 @@ titanlite.optim.MasterAdamW), with fp32 moments:
 - bf16 with its master's low bits (`lo`; together the fp32 master, see
   titanlite.optim.master_low_bits): bf16 gradient, parameter and low bits: 26 bytes (18);
 - fp32, its own master (`lo` and `copy` None): 28 bytes, what torch's fused AdamW moves (20).
-It computes what `titanlite.optim._master_adamw_update` computes (the CPU path and the reference of
+It computes what `titanlite.optim.eager_master_adamw_update` computes (the CPU path and the reference of
 the tests).
 
 Two entry points share the update (`_update_block`):
@@ -106,7 +106,7 @@ def _master_adamw_many_kernel(p_ptr, g_ptr, lo_ptr, m_ptr, v_ptr, copy_ptr, tabl
 
 def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
                         bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
-    """Same arguments as titanlite.optim._master_adamw_update (tensors contiguous, any shape)."""
+    """Same arguments as titanlite.optim.eager_master_adamw_update (tensors contiguous, any shape)."""
     n, own_master = p.numel(), lo is None
     _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, p if copy is None else copy, n, lr,
                                       grad_scale, keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps,

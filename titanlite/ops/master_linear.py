@@ -6,7 +6,8 @@ optimizer steps, DDP all-reduces, the clip measures and checkpoints save (same k
 an autocast run). The GEMMs read `weight_bf16`, a bf16 copy held as a non-persistent buffer, which
 is exactly the rounding autocast would make of the master each forward. The copy is derived state:
 titanlite.optim.MasterAdamW rewrites it in the pass that updates the master (the Triton kernel
-writes both), and loading weights (load_state_dict) refreshes it.
+writes both), and loading weights (load_state_dict) refreshes it. `MasterWeights` is where the
+optimizer finds the copies: the one record of a model's masters and their lower-precision tensors.
 
 Per matrix and micro-step, forward and input gradient are bf16 GEMMs as under autocast; the weight
 gradient is one GEMM with an fp32 result (`fp32_mm`), added into the fp32 `.grad` by that same
@@ -23,8 +24,10 @@ neither trace nor reorder. A consequence: `torch.autograd.grad` on these weights
 
 A gradient released as stale (`release_stale`) keeps its storage: the next weight_grad writes the
 product over it (beta = 0, the old values never read) instead of adding. ddp releases its masters'
-gradients that way (titanlite.parallel.data_parallel.release_grads), so each one stays a view of
-DDP's reduce bucket and is written there by its GEMM: the reducer neither copies nor divides it.
+gradients that way (titanlite.parallel.grads.release_grads), so each one stays a view of DDP's
+reduce bucket and is written there by its GEMM: the reducer neither copies nor divides it. (The
+stale mark is this module's own: `release_stale` sets it, `weight_grad` reads it. It rides on the
+tensor because the op that reads it, opaque to torch.compile, is handed tensors only.)
 """
 
 from __future__ import annotations
@@ -119,11 +122,50 @@ def _refresh_after_load(module: MasterLinear, incompatible_keys) -> None:
     module.refresh()
 
 
-def use_bf16_copy(linear: nn.Linear) -> None:
+def use_bf16_copy(linear: nn.Linear) -> MasterLinear:
     """Make `linear` a MasterLinear in place: same module, same fp32 `weight` Parameter (so wrappers,
-    optimizer and state-dict keys are untouched), plus its bf16 copy. The parameter carries the copy
-    as `bf16_copy`, which is how MasterAdamW finds what to rewrite."""
+    optimizer and state-dict keys are untouched), plus its bf16 copy."""
     linear.__class__ = MasterLinear
     linear.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16), persistent=False)
-    linear.weight.bf16_copy = linear.weight_bf16
     linear.register_load_state_dict_post_hook(_refresh_after_load)
+    return linear
+
+
+class MasterWeights:
+    """A model's fp32 master weights kept beside lower-precision tensors (training.bf16_params), in one
+    object: titanlite.parallel.apply.apply_bf16_params fills it, the optimizer is given it
+    (titanlite.optim.MasterAdamW rewrites each copy as it updates its master, and keeps the masters of
+    bf16 parameters), and so is the gradients' release (titanlite.parallel.grads.release_grads: a
+    master's gradient stays in DDP's bucket).
+
+    - `copies`: fp32 master Parameter -> its bf16 copy (a MasterLinear's `weight_bf16`);
+    - `initial`: bf16 Parameter -> the fp32 value it was rounded from (float8's weights), held until
+      the optimizer takes it (`take_initial`) to start the master's low bits from.
+    Tensors key the dicts by identity, as an optimizer's state does."""
+
+    def __init__(self):
+        self.copies: dict[torch.Tensor, torch.Tensor] = {}
+        self.initial: dict[torch.Tensor, torch.Tensor] = {}
+
+    def add_copy(self, linear: nn.Linear) -> None:
+        """Give `linear` a bf16 copy of its weight (use_bf16_copy), the weight its master."""
+        self.copies[linear.weight] = use_bf16_copy(linear).weight_bf16
+
+    def round_to_bf16(self, weight: torch.Tensor) -> None:
+        """Store `weight` in bf16 from now on, its fp32 value kept until the optimizer takes it."""
+        self.initial[weight] = weight.data
+        weight.data = weight.data.to(torch.bfloat16)
+
+    def has_copy(self, p: torch.Tensor) -> bool:
+        return p in self.copies
+
+    def take_initial(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 value bf16 parameter `p` was rounded from (None: it was not, or was taken already)."""
+        return self.initial.pop(p, None)
+
+    @torch.no_grad()
+    def refresh(self, params) -> None:
+        """Rewrite the copies of `params` (those that have one) from their masters."""
+        for p in params:
+            if p in self.copies:
+                self.copies[p].copy_(p)

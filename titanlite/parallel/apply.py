@@ -1,4 +1,4 @@
-"""parallelize(model, cfg, dims): apply the configured techniques in the order its docstring writes.
+"""parallelize(model, settings, dims): apply the configured techniques in the order its docstring writes.
 
 The techniques before materialisation rewrite modules and run on the meta-device model. Weights are then materialised
 and initialised in full, identically on every rank (same seed, same device type, same op order as a
@@ -14,25 +14,34 @@ import contextlib
 import dataclasses
 import functools
 import logging
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.errors import ConfigError
-from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
-from titanlite.parallel.data_parallel import DATA_PARALLEL, is_fsdp
+from titanlite.hardware import float8_refusal
+from titanlite.ops.master_linear import MasterWeights
+from titanlite.parallel.ddp import apply_ddp
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.grads import is_fsdp
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import bf16_copies
+from titanlite.parallel.settings import (ActivationCheckpointSettings, CompileSettings, Float8Settings,
+                                         ParallelSettings)
 
 logger = logging.getLogger("titanlite")
 
+# The data-parallel wrapper of each mode (its traits: titanlite.parallel.modes); zero1 is DDP for
+# gradients, its optimizer-state sharding lives in titanlite.optim. fsdp and hsdp differ by their mesh.
+Wrapper = Callable[[nn.Module, ParallelSettings, ParallelDims], nn.Module]
+DATA_PARALLEL: dict[str, Wrapper] = {"ddp": apply_ddp, "zero1": apply_ddp, "fsdp": apply_fsdp, "hsdp": apply_fsdp}
+
 
 # ------------------------------------------------------------------------------------------ float8
-def float8_supported(device: torch.device) -> bool:
-    """Hardware float8 matmuls need compute capability 8.9+ (Ada / Hopper / Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_CAPABILITY
-
-
 def float8_eligible(module: nn.Module, fqn: str) -> bool:
     # The output projection stays in high precision (logit quality); float8 matmul kernels need
     # both dims to be multiples of 16.
@@ -41,12 +50,11 @@ def float8_eligible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, f8, device: torch.device, sharded: bool = False) -> None:
+def apply_float8(model: nn.Module, f8: Float8Settings, sharded: bool = False) -> None:
     """Swap eligible nn.Linear for torchao Float8Linear (dynamic scaling, tensorwise or rowwise), as
-    the float8 config section `f8` says; `sharded`: the parameters will be FSDP shards."""
-    if not f8.emulate and not float8_supported(device):
-        where = "CPU" if device.type != "cuda" else torch.cuda.get_device_name(device)
-        raise ConfigError(float8_refusal(where))
+    the float8 section `f8` says; `sharded`: the parameters will be FSDP shards. (parallelize checks
+    first that the device can run float8 matmuls, or that f8.emulate asks for torchao's emulation.)"""
+    # here, not at the top: torchao is a large import that only float8 runs need
     from torchao.float8 import Float8GemmConfig, Float8LinearConfig, convert_to_float8_training
 
     if f8.recipe == "tensorwise":
@@ -60,13 +68,13 @@ def apply_float8(model: nn.Module, f8, device: torch.device, sharded: bool = Fal
     convert_to_float8_training(model, config=config, module_filter_fn=float8_eligible)
 
 
-def float8_scale_hook(model: nn.Module, f8):
-    """Under FSDP with float8 all-gather (`f8`: the float8 config section), an optimizer post-step
+def float8_scale_hook(model: nn.Module, f8: Float8Settings):
+    """Under FSDP with float8 all-gather (`f8`: the float8 section), an optimizer post-step
     hook that computes every weight's scale in one fused all-reduce, instead of one small reduction
     per weight inside the next forward; None where there is nothing to do."""
     if not (f8.enable and f8.recipe == "tensorwise" and is_fsdp(model)):
         return None
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # torchao: float8 runs only (above)
 
     return lambda optimizer, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
 
@@ -75,8 +83,6 @@ def float8_scale_hook(model: nn.Module, f8):
 def save_matmuls_policy():
     """Op-level policy: keep matmul and attention outputs (expensive), recompute the rest (cheap
     element-wise ops and norms)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     aten = torch.ops.aten
     save = {aten.mm.default, aten.bmm.default, aten.addmm.default}
     # float8 matmuls (torchao's _scaled_mm) and the SDPA kernels. flash-attn >= 2.6 registers its
@@ -100,12 +106,10 @@ def save_matmuls_policy():
 
 
 def _recompute_all_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, ac) -> None:
+def apply_ac(model: nn.Module, ac: ActivationCheckpointSettings) -> None:
     """Wrap blocks for recomputation in backward (`ac`: the activation_checkpoint section): full (every
     block), selective 'op' (every block, save matmul outputs only) or selective N (every N-th block,
     fully recomputed).
@@ -116,9 +120,6 @@ def apply_ac(model: nn.Module, ac) -> None:
     the partitioner keeps their inputs, about as much as selective 'op' keeps. A policy is applied
     per aten op as the graph is traced, inside such functions too (torch 2.13 turns the plain form
     into this same policy itself)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     every, policy = 1, _recompute_all_policy
     if ac.mode == "selective":
         if ac.selective_option == "op":
@@ -137,22 +138,21 @@ def apply_ac(model: nn.Module, ac) -> None:
 
 
 # ------------------------------------------------------------------------------------------ compile
-def apply_compile(model: nn.Module, c) -> None:
+def apply_compile(model: nn.Module, c: CompileSettings) -> None:
     """torch.compile each TransformerBlock with fullgraph=True (`c`: the compile section): small graphs,
     compiled once and reused by every block of the same shape; FSDP/DDP hooks stay outside the
-    compiled regions."""
+    compiled regions. (The loss is compiled where it runs, told so by titanlite.step.make_forward_loss.)"""
     if c.coordinate_descent_tuning:
-        import torch._inductor.config as inductor_config
+        import torch._inductor.config as inductor_config  # here, not at the top: it imports all of Inductor
 
         # Inductor's config is process-wide: the loss kernel compiled later is tuned too.
         inductor_config.coordinate_descent_tuning = True
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True, mode=c.mode))
-    model.compile_loss = True  # the chunked loss compiles its per-chunk softmax/gradient kernel
 
 
 # ------------------------------------------------------------------------------------- bf16 params
-def apply_bf16_params(model: nn.Module, dp_mode: str, head: bool = False) -> None:
+def apply_bf16_params(model: nn.Module, dp_mode: str, head: bool = False) -> MasterWeights:
     """training.bf16_params: the transformer blocks' matrices (and with `head` the output layer's)
     multiply in bf16 without autocast's per-step casts; everything else stays with autocast
     (embeddings, norms, hence the residual stream and its gradient stay fp32).
@@ -166,24 +166,24 @@ def apply_bf16_params(model: nn.Module, dp_mode: str, head: bool = False) -> Non
     - float8's Float8Linear: its weight is stored in bf16, which torchao casts to float8, and its
       gradient, which torchao's float8 GEMM gives in bf16, stays bf16; the fp32 master lives in
       MasterAdamW as 16 low bits (titanlite.optim.master_low_bits), started from the fp32
-      initialisation kept here as `fp32_master`. A master on the bf16 grid instead would ignore
+      initialisation the returned MasterWeights holds. A master on the bf16 grid instead would ignore
       updates smaller than half a bf16 step, and trained worse. Under zero1 float8's weights stay
       fp32 (ZeroRedundancyOptimizer takes parameters of one dtype) and torchao casts them from fp32,
       as with autocast.
-    """
-    from titanlite.ops.master_linear import use_bf16_copy
 
+    Returns the masters and their copies, for the optimizer and the gradients' release.
+    """
+    masters = MasterWeights()
     bf16_float8 = MODES[dp_mode].optimizer != "zero"
     for block in model.layers.values():
         for module in block.modules():
             if type(module) is nn.Linear:
-                use_bf16_copy(module)
+                masters.add_copy(module)
             elif isinstance(module, nn.Linear) and bf16_float8:  # float8's Float8Linear, the only subclass here
-                w = module.weight
-                w.fp32_master = w.data
-                w.data = w.data.to(torch.bfloat16)
+                masters.round_to_bf16(module.weight)
     if head:
-        use_bf16_copy(model.output)
+        masters.add_copy(model.output)
+    return masters
 
 
 # ------------------------------------------------------------------------------------ materialise
@@ -194,55 +194,66 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     model.init_weights(buffer_device=device)
 
 
-def parallelize(model: nn.Module, cfg, dims, wrap=None) -> nn.Module:
-    """Take the meta-device model spec; return the materialised, initialised, wrapped model, with
-    the techniques `cfg` turns on applied in this order (the one place it is written):
+class Parallelized(NamedTuple):
+    model: nn.Module        # materialised, initialised, wrapped
+    masters: MasterWeights  # the bf16 copies' fp32 masters (empty without training.bf16_params' copies)
+
+
+def parallelize(model: nn.Module, settings: ParallelSettings, dims: ParallelDims,
+                wrap: Wrapper | None = None) -> Parallelized:
+    """Take the meta-device model spec; return the materialised, initialised, wrapped model (and its
+    MasterWeights), with the techniques `settings` turns on applied in this order (the one place it is
+    written):
 
         float8 -> activation checkpointing -> compile per TransformerBlock -> materialise + init
         -> bf16 copies of the blocks' matrices -> data-parallel wrapping (ddp | zero1 | fsdp | hsdp)
 
     Each constraint on the order is stated at its call. What is built on the model this returns
     follows it: the optimizer (titanlite.optim.build_optimizer: zero1's sharded AdamW state, a
-    capturable AdamW for CUDA graphs), then the step (titanlite.step.build_train_step: bf16 autocast,
-    the fused clip, float8's post-step hook; CudaGraphStep captures it). A new technique is one
-    `apply_*` function and one call here. The combination of settings was checked when the config
-    was loaded (titanlite.config.manager.check_combination).
+    capturable AdamW for CUDA graphs, the masters' copies), then the step (titanlite.step.build_train_step:
+    bf16 autocast, the fused clip, float8's post-step hook; CudaGraphStep captures it). A new technique
+    is one `apply_*` function and one call here. The combination of settings was checked when the
+    config was loaded (titanlite.config.manager.check_combination).
 
-    `wrap(model, cfg, dims)` replaces the mode's data-parallel wrapper: estimation's fake run wraps
-    fake tensors on a fake process group, which needs a prebuilt mesh and its own DDP comm hook."""
+    `wrap(model, settings, dims)` replaces the mode's data-parallel wrapper (DATA_PARALLEL): estimation's
+    fake run wraps DDP around fake tensors on its fake process group, with its own comm hook."""
     mode = MODES[dims.mode]
     def applied(technique: str) -> None:  # each technique logged as it is applied, on the main rank
         if dims.rank == 0:
             logger.info(f"parallelize: {technique}")
 
-    if cfg.float8.enable:
+    f8 = settings.float8
+    if f8.enable:
+        if not f8.emulate and not dims.float8:
+            where = "CPU" if dims.device.type != "cuda" else torch.cuda.get_device_name(dims.device)
+            raise ConfigError(float8_refusal(where))
         # First: it swaps nn.Linear for Float8Linear, and what comes after must wrap the swapped modules.
-        apply_float8(model, cfg.float8, dims.device, sharded=mode.shards_params)
-        applied(f"float8 ({cfg.float8.recipe})")
-    if cfg.activation_checkpoint.mode != "none":
+        apply_float8(model, f8, sharded=mode.shards_params)
+        applied(f"float8 ({f8.recipe})")
+    if settings.activation_checkpoint.mode != "none":
         # Before compile: compile then traces the checkpointed blocks, with their recompute policy.
-        apply_ac(model, cfg.activation_checkpoint)
-        applied(f"activation checkpointing ({cfg.activation_checkpoint.mode})")
-    if cfg.compile.enable:
+        apply_ac(model, settings.activation_checkpoint)
+        applied(f"activation checkpointing ({settings.activation_checkpoint.mode})")
+    if settings.compile.enable:
         # After the module rewrites above (they are what gets traced), before the data-parallel
         # wrappers, whose hooks stay outside the compiled regions.
-        apply_compile(model, cfg.compile)
+        apply_compile(model, settings.compile)
         applied("compile per TransformerBlock")
     # Still on meta up to here. The full weights, identically on every rank, before any sharding
     # (the module's docstring says why).
-    materialize(model, dims.device, cfg.training.seed)
-    if bf16_copies(cfg, dims.world_size, dims.device.type):
+    materialize(model, dims.device, settings.seed)
+    masters = MasterWeights()
+    if bf16_copies(settings.precision, mode, dims.device.type):
         # After materialise (copies of the initialised weights), before ddp, whose buckets take the
         # gradients' dtype.
-        apply_bf16_params(model, dims.mode, head=cfg.training.loss == "cross_entropy")
+        masters = apply_bf16_params(model, dims.mode, head=settings.loss == "cross_entropy")
         applied("bf16 copies of the blocks' matrices")
     if dims.world_size > 1 and dims.mode != "none":
         # Last: a wrapper takes the finished modules (FSDP shards what the steps above made). For CUDA
         # graphs on CUDA it is built on a side stream: a captured backward needs DDP made there
         # (torch's CUDA-graph notes).
-        graphs = cfg.training.cuda_graphs and dims.device.type == "cuda"
+        graphs = settings.cuda_graphs and dims.device.type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream(dims.device)) if graphs else contextlib.nullcontext():
-            model = (wrap or DATA_PARALLEL[dims.mode])(model, cfg, dims)
+            model = (wrap or DATA_PARALLEL[dims.mode])(model, settings, dims)
         applied(f"{dims.mode} over {dims.world_size} ranks")
-    return model
-
+    return Parallelized(model, masters)

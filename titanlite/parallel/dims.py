@@ -1,64 +1,114 @@
-"""Process-group setup and the data-parallel layout of this run."""
+"""This rank's place in the job: the process group, the one device mesh of the job's ranks, and the device.
+
+The mesh is built once, right after the process group starts (`init_distributed`, through
+`parallel_dims`), with named dimensions (titanlite.parallel.modes.MESH_DIMS): "dp_replicate" and
+"dp_shard" today, sized by the mode (titanlite.parallel.policy.mesh_shape). Every wrapper takes its
+process groups from it; estimation's fake run builds its mesh through the same `parallel_dims`, over
+the fake process group it started.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite.parallel.policy import data_parallel_mode
+from titanlite.debug import share_one_cpu_core
+from titanlite.hardware import FLOAT8_CAPABILITY
+from titanlite.parallel.launch import Launch
+from titanlite.parallel.policy import data_parallel_mode, mesh_shape
+from titanlite.parallel.settings import DataParallelSettings, ParallelSettings
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelDims:
-    world_size: int
+    mode: str                       # parallelism.data_parallel, or "none" when there is one rank
     rank: int
-    local_rank: int
-    device: torch.device
-    mode: str  # parallelism.data_parallel, or "none" when there is one rank
+    world_size: int
+    device: torch.device            # where this rank's tensors live
+    mesh: DeviceMesh | None = None  # the job's ranks over named dimensions (MESH_DIMS order); None for one rank
+    ranks_per_host: int | None = None  # the launcher's ranks per host (None: it does not say)
+    device_memory: int | None = None   # the GPU's bytes (None: not a GPU), for choices that weigh memory
+    float8: bool = False            # the device runs float8 matmuls (compute capability 8.9+)
+
+    def size(self, dim: str) -> int:
+        """Ranks along mesh dimension `dim` (1 where the mesh has no such dimension)."""
+        if self.mesh is None or dim not in self.mesh.mesh_dim_names:
+            return 1
+        return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
+
+    @property
+    def dp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions that split the batch (today every one: no tensor or pipeline parallelism)."""
+        return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
 
     @property
     def dp_size(self) -> int:
-        return self.world_size  # every rank is a data-parallel rank (no tensor/pipeline parallelism)
+        """Data-parallel ranks: the product of the data-parallel dimensions."""
+        return math.prod(self.size(d) for d in self.dp_dims)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        """This rank's index among the data-parallel ranks (its coordinates on those dimensions, row-major)."""
+        if self.mesh is None:
+            return 0
+        names, coordinate = self.mesh.mesh_dim_names, self.mesh.get_coordinate()
+        index = 0
+        for d in self.dp_dims:
+            index = index * self.size(d) + coordinate[names.index(d)]
+        return index
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(cfg) -> ParallelDims:
-    """Join the process group torchrun set up (if any) and pick this rank's device. The configuration
-    was checked for this world size when it was loaded (config.manager.load_config)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    shared = cfg.debug.inject_shared_device  # a fault on purpose (titanlite.debug): every rank on one device
+def parallel_dims(dp: DataParallelSettings, launch: Launch, device: torch.device, device_memory: int | None = None,
+                  float8: bool = False) -> ParallelDims:
+    """This rank's dims over the process group already started (the job's, or estimation's fake one):
+    its mode and the job's device mesh, laid out by policy.mesh_shape. Building the mesh reads its rank
+    layout back, so call it outside fake-tensor modes."""
+    mode = data_parallel_mode(dp, launch.world_size)
+    shape = mesh_shape(dp, launch.world_size, launch.ranks_per_host)
+    mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)) if shape else None
+    return ParallelDims(mode, launch.rank, launch.world_size, device, mesh, launch.ranks_per_host, device_memory,
+                        float8)
+
+
+def float8_supported(device: torch.device) -> bool:
+    """Hardware float8 matmuls need compute capability 8.9+ (Ada / Hopper / Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FLOAT8_CAPABILITY
+
+
+def init_distributed(settings: ParallelSettings, launch: Launch) -> ParallelDims:
+    """Join the process group the launcher set up (if any), pick this rank's device and lay the job's
+    ranks out on the device mesh. The configuration was checked for this world size when it was
+    loaded (config.manager.load_config)."""
+    shared = settings.shared_device  # a fault on purpose (titanlite.debug): every rank on one device
     if torch.cuda.is_available():
-        device = torch.device("cuda", 0 if shared else local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", 0 if shared else launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         if shared:
-            from titanlite.debug import share_one_cpu_core
-
             share_one_cpu_core()
-    if world > 1 and not dist.is_initialized():
+    if launch.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"  # NCCL refuses two ranks on one GPU
-        if backend == "nccl" and cfg.training.cuda_graphs and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
+        if backend == "nccl" and settings.cuda_graphs and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
             # torch's CUDA-graph notes: collectives captured in a graph need NCCL's asynchronous error
             # handling off. torchrun always sets it (to 1 unless told otherwise), so it is overwritten
-            # here. The cost: a hung collective then hangs instead of aborting after the timeout.
-            if rank == 0:
+            # here, before the group reads it. The cost: a hung collective then hangs instead of
+            # aborting after the timeout.
+            if launch.is_main:
                 logging.getLogger("titanlite").info(
                     "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
                     "a hung collective will hang rather than abort)")
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    return ParallelDims(world, rank, local_rank, device, data_parallel_mode(cfg, world))
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return parallel_dims(settings.data_parallel, launch, device, memory, float8_supported(device))
