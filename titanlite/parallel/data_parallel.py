@@ -37,6 +37,8 @@ def ddp_wrapper(model: nn.Module, cfg, dims) -> nn.Module:
     """The DistributedDataParallel module of apply_ddp, before its comm hook."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from titanlite.ops.master_linear import release_stale
+
     ids = [dims.device.index] if dims.device.type == "cuda" else None
     # No buffer sync before each forward: the only buffers are RoPE tables, computed identically on every
     # rank and never updated; the default would broadcast them every micro-step. torch 2.13 renamed the
@@ -44,8 +46,17 @@ def ddp_wrapper(model: nn.Module, cfg, dims) -> nn.Module:
     # warns on the old one, which torch 2.11 still needs.
     no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
-                                   gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
+    masters = [p for p in model.parameters() if hasattr(p, "bf16_copy")] if cfg.parallelism.ddp_bucket_view else []
+    for p in masters:
+        # DDP makes each gradient that exists when it is built a view of its bucket (released as stale below,
+        # as release_grads leaves them). Without one, the first step's no_sync micro-steps would accumulate
+        # the masters' gradients outside the buckets, a second fp32 copy beside them until the last backward.
+        p.grad = torch.zeros_like(p)
+    ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=cfg.parallelism.ddp_bucket_cap_mb,
+                                  gradient_as_bucket_view=cfg.parallelism.ddp_bucket_view, **{no_sync: False})
+    for p in masters:
+        release_stale(p)
+    return ddp
 
 
 def mean_allreduce_hook(group, bucket):
