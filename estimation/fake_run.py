@@ -167,19 +167,21 @@ def _allreduce_hook(state, bucket):
     the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
     is labelled a communication buffer here.
 
-    In the bucket's own dtype (fp32) the real run's hook (titanlite's mean_allreduce_hook) averages the
-    bucket in place inside the collective, so nothing more runs here. In bf16 it runs what titanlite's
-    bf16 hook runs: a bf16 copy, the divide, and the copy back."""
+    With the default float32 reduce dtype the real run's hook (titanlite's mean_allreduce_hook) averages
+    the bucket in place inside the collective, in the bucket's own dtype (fp32, or bf16 for float8's bf16
+    gradients), so nothing more runs here. With bfloat16 it runs what titanlite's bf16 hook runs: a bf16
+    copy (none where the bucket is bf16 already), the divide, and the copy back."""
     dtype, tracker = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
-    if dtype == buf.dtype:
+    if dtype != torch.bfloat16:
         dist.all_reduce(buf)
     else:
         reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
         dist.all_reduce(reduced)
         reduced.div_(dist.get_world_size())
-        buf.copy_(reduced)
+        if reduced is not buf:
+            buf.copy_(reduced)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
