@@ -3,7 +3,8 @@ batch, a kernel profile.
 
     python benchmarks/estimation_gpu.py                  # 1 GPU: every one-GPU case, OOM search, profile,
                                                          # and the recommendation's top pick
-    python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: each mode at local 4 and 16, Qwen3 fsdp (--gpus 4: on 4)
+    python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: each mode at local 4 and 16, Qwen3 fsdp, ddp with
+                                                         # accumulation and with float8 (--gpus 4: the first two, on 4)
     python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
     python benchmarks/estimation_gpu.py --gpus 2 --only fsdp2_b4 --profiled fsdp2_b4   # and their kernel profile
     python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
@@ -71,6 +72,14 @@ CASES = {
        for n in (2, 4) for mode in ("ddp", "fsdp", "zero1") for b in (4, 16)},
     **{f"qwen3_fsdp{n}_b8": (n, QWEN_CFG, ["--training.local_batch_size", "8", "--parallelism.data_parallel", "fsdp"])
        for n in (2, 4)},
+    # ddp with gradient accumulation (no_sync micro-steps into the buckets), and float8 under ddp (buckets of
+    # float8's bf16 gradients beside the fp32 ones)
+    "ddp2_b8_accum2": (2, H100_CFG, ["--training.local_batch_size", "8", "--training.global_batch_size", "32",
+                                     "--parallelism.data_parallel", "ddp"]),
+    "ddp2_b4_accum4": (2, H100_CFG, ["--training.local_batch_size", "4", "--training.global_batch_size", "32",
+                                     "--parallelism.data_parallel", "ddp"]),
+    "ddp2_b4_float8": (2, H100_CFG, ["--training.local_batch_size", "4", "--parallelism.data_parallel", "ddp",
+                                     "--float8.enable"]),
 }
 
 # Activation checkpointing across both model families (LLaMA: MHA; Qwen3: GQA and QK-norm), compiled, one
@@ -92,9 +101,13 @@ PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num
 RECOMMEND_TARGET = 32  # sequences of 2048 tokens per step on 1 GPU
 
 # Kernel name fragments -> the throughput model's term; the first match wins (optimizer before element-wise).
+# Inductor names a generated kernel after the ATen ops fused into it, which for float8's casts include
+# _scaled_mm (its scales and operand layouts): its pointwise, reduction and persistent-reduction kernels
+# are sorted as fused before any GEMM or attention name is matched.
 KERNELS = [
     ("comm", ("nccl",)),
     ("optimizer", ("adam", "master_adamw", "lpnorm", "multi_tensor_apply", "foreach")),
+    ("fused", ("triton_poi_", "triton_red_", "triton_per_")),
     ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
     ("gemm_float8", ("e4m3", "e5m2", "fp8", "float8")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_scaled_mm", "sm90_", "sm100_")),
@@ -305,7 +318,29 @@ def table(results: dict) -> str:
         real = o["largest"] if o.get("largest") is not None else f">= {o.get('fits_up_to')}"
         lines.append(f"\nlargest local batch with compile on 1 GPU: predicted {o.get('predicted')}, measured {real} "
                      f"(probes: {o.get('probes')})")
-    return "\n".join(lines)
+    return "\n".join(lines + terms_table(results))
+
+
+# The throughput model's terms (estimation.throughput) -> the profile's kernel terms (KERNELS) they predict
+TERMS = {"gemm": ("gemm", "gemm_float8"), "attention": ("attention",), "elementwise": ("fused", "elementwise"),
+         "optimizer": ("optimizer",), "comm_total": ("comm",)}
+
+
+def terms_table(results: dict) -> list[str]:
+    """For each profiled case: each term's predicted ms a step beside the kernel time the profile sorted
+    into it (rank 0; collectives run on their own stream, so their time overlaps the rest)."""
+    rows = []
+    for name, c in results["cases"].items():
+        prof = c.get("measured", {}).get("profile_ms_per_step")
+        pred = c.get("predicted", {}).get("terms_ms")
+        if not prof or not pred:
+            continue
+        for term, kernels in TERMS.items():
+            got = sum(prof["terms"].get(k, 0.0) for k in kernels)
+            rows.append(f"| {name} | {term} | {pred.get(term, 0.0):.2f} | {got:.2f} | {err(pred.get(term), got)} |")
+    if not rows:
+        return []
+    return ["", "| profiled case | term | predicted ms/step | kernels ms/step | err % |", "|---|---|---|---|---|", *rows]
 
 
 def main() -> None:

@@ -52,19 +52,21 @@ def _allreduce_hook(state, bucket):
     the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
     is labelled a communication buffer here.
 
-    In the bucket's own dtype (fp32) the real run's hook (titanlite's mean_allreduce_hook) averages the
-    bucket in place inside the collective, so nothing more runs here. In bf16 it runs what titanlite's
-    bf16 hook runs: a bf16 copy, the divide, and the copy back."""
+    With the default float32 reduce dtype the real run's hook (titanlite's mean_allreduce_hook) averages
+    the bucket in place inside the collective, in the bucket's own dtype (fp32, or bf16 for float8's bf16
+    gradients), so nothing more runs here. With bfloat16 it runs what titanlite's bf16 hook runs: a bf16
+    copy (none where the bucket is bf16 already), the divide, and the copy back."""
     dtype, tracker = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
-    if dtype == buf.dtype:
+    if dtype != torch.bfloat16:
         dist.all_reduce(buf)
     else:
         reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
         dist.all_reduce(reduced)
         reduced.div_(dist.get_world_size())
-        buf.copy_(reduced)
+        if reduced is not buf:
+            buf.copy_(reduced)
     fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -209,12 +211,12 @@ class FakeRun:
             with torch.compiler.set_stance("force_eager"):
                 self._step(1, WARMUP_SEQ, micro_steps=1)
 
-    def _wrap_ddp(self, model, settings, dims):
+    def _wrap_ddp(self, model, settings, dims, masters):
         """ddp and zero1's wrapper, as parallelize would apply it, fitted to fake tensors: built with the
         stand-ins for what reads tensor data, and with a comm hook whose future completes."""
         reduce_dtype = getattr(torch, settings.data_parallel.ddp_reduce_dtype)
         with ddp_on_fake_tensors():
-            model = ddp_wrapper(model, settings, dims)  # DDP takes one hook: ours, below
+            model = ddp_wrapper(model, settings, dims, masters)  # DDP takes one hook: ours, below
         model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
         keep_rebuilt_buckets(model)
         return model

@@ -468,6 +468,36 @@ def test_estimation_gpu_sorts_the_profiles_kernels_into_the_models_terms(tmp_pat
                                              "attention": 9.0}
 
 
+def test_inductors_float8_cast_kernels_count_as_fused_not_gemm(tmp_path):
+    """Inductor names its kernels after the ATen ops they fuse: float8's casts carry _scaled_mm (their
+    scales and transposes come from it) and may carry attention's ops; they are generated kernels (fused),
+    while cuBLAS's float8 GEMM stays a float8 GEMM."""
+    names = {"triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_4": 2.0,
+             "triton_red_fused__to_copy_abs_clamp_max_mul_reciprocal_3": 0.5,
+             "triton_per_fused__scaled_dot_product_cudnn_attention__to_copy_abs_max_1": 0.25,
+             "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas": 7.0}
+    assert kernel_terms(tmp_path, names) == {"fused": 2.75, "gemm_float8": 7.0}
+
+
+def test_estimation_gpu_table_sets_each_profiled_term_beside_its_prediction():
+    """A profiled case's table rows: each throughput term predicted beside the kernel time sorted into it
+    (the model's GEMM term against cuBLAS's bf16 and float8 GEMMs, its element-wise term against the
+    generated and the other element-wise kernels); an unprofiled case adds none."""
+    import estimation_gpu
+
+    pred = {"peak_gib": 20.0, "tokens_per_sec_per_gpu": 60000.0, "dominant": "gemm",
+            "terms_ms": {"gemm": 50.0, "attention": 12.0, "elementwise": 30.0, "optimizer": 10.0, "comm_total": 8.0}}
+    prof = {"steps": 2, "terms": {"gemm": 4.0, "gemm_float8": 40.0, "attention": 12.0, "fused": 27.0,
+                                  "elementwise": 3.0, "optimizer": 8.0, "comm": 9.0}}
+    results = {"cases": {"plain": {"ranks": 2, "predicted": pred, "measured": {"peak_gib": 20.0}},
+                         "f8": {"ranks": 2, "predicted": pred, "measured": {"peak_gib": 20.0, "profile_ms_per_step": prof}}}}
+    rows = [r for r in estimation_gpu.table(results).splitlines() if r.startswith("| f8 |") and r.count("|") == 6]
+    assert rows == ["| f8 | gemm | 50.00 | 44.00 | +13.6 |", "| f8 | attention | 12.00 | 12.00 | +0.0 |",
+                    "| f8 | elementwise | 30.00 | 30.00 | +0.0 |", "| f8 | optimizer | 10.00 | 8.00 | +25.0 |",
+                    "| f8 | comm_total | 8.00 | 9.00 | -11.1 |"]
+    assert not [r for r in estimation_gpu.table(results).splitlines() if r.startswith("| plain |") and r.count("|") == 6]
+
+
 def test_every_master_adamw_kernel_counts_as_optimizer(tmp_path):
     """Each Triton kernel titanlite/ops/master_adamw.py defines, by the name a profile shows, is sorted
     into the optimizer term (needs Triton, as the kernels do)."""

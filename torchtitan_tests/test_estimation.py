@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -407,11 +408,14 @@ def test_ddp_all_reduces_each_bucket_beside_the_backward(extra):
     assert terms["comm_exposed"] == pytest.approx(1000 * moved[-1] / 1e9)
 
 
-def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch):
-    """With fp32 buckets the collective averages each bucket in place, and the bf16 copies' masters
-    keep their gradients in the buckets, where their GEMMs write them (as the real run's weight_grad
-    does): against one GPU, ddp's backward adds one copy per other gradient (embeddings, norms,
-    output) and no other work (no pass over the buckets to divide them, no add into a kept gradient)."""
+@pytest.mark.parametrize("extra", [[], ["--float8.enable"]], ids=["fp32_buckets", "float8_bf16_buckets"])
+def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch, extra):
+    """With the default float32 reduce dtype the collective averages each bucket in place in its own
+    dtype (fp32, and bf16 for float8's bf16 gradients, as mean_allreduce_hook does), and the bf16
+    copies' masters keep their gradients in the buckets, where their GEMMs write them (as the real
+    run's weight_grad does): against one GPU, ddp's backward adds one copy per other gradient
+    (embeddings, norms, output, float8's matrices) and no other work (no pass over the buckets to
+    convert or divide them, no add into a kept gradient); the all-reduce moves the gradients' own bytes."""
     from collections import Counter
 
     import estimation.tracker as tracker
@@ -430,17 +434,22 @@ def test_ddp_adds_only_the_gradient_copies_into_its_buckets(monkeypatch):
     monkeypatch.setattr(tracker.StepTracker, "_work", work)
     seen = {}
     for world in (1, 2):
-        run = FakeRun(_cfg("--parallelism.data_parallel", "ddp"), world)
+        run = FakeRun(_cfg("--parallelism.data_parallel", "ddp", *extra), world)
         try:
             counted.clear()  # the measured step only, not the warm-up
-            run.step(2)
+            work = run.step(2).work
             seen[world] = Counter(counted)
-            copied = sum(1 for p in run.model.parameters() if not run.masters.has_copy(p))
+            params = list(run.model.parameters())
+            copied = sum(1 for p in params if not run.masters.has_copy(p))
             masters = len(run.masters.copies)
         finally:
             run.close()
-    assert masters > 0 and seen[2] - seen[1] == Counter({"copy_": copied})
+    assert masters + copied == len(params) and seen[2] - seen[1] == Counter({"copy_": copied})
     assert not seen[1] - seen[2]
+    assert {p.dtype for p in params} == ({torch.float32, torch.bfloat16} if extra else {torch.float32})
+    assert masters > 0 if not extra else masters == 0  # float8's matrices keep bf16 weights and gradients
+    # two ranks: a ring all-reduce moves each bucket's bytes once
+    assert sum(b for w in work.values() for _, b, _ in w.collectives) == sum(p.numel() * p.element_size() for p in params)
 
 
 def test_fsdp_auto_reshard_follows_the_gpus_memory():

@@ -252,35 +252,53 @@ def _bucket_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo_rank(rank, world, port, out_dir) as results:
         t = Trainer(load_config(base_args(os.path.join(out_dir, "ddp"), 2, *BF16, *ACCUM,
                                           "--parallelism.data_parallel", "ddp")))
-        masters = {p.numel() for p in t.model.parameters() if t.masters.has_copy(p)}
+        params = list(t.model.parameters())
+        masters = {p.numel() for p in params if t.masters.has_copy(p)}
         recorder = OpRecorder(log=True)
+        held = []  # per micro-step: storage -> bytes of every gradient's storage at its end
 
         class InBackward(StepHooks):
-            def backward(self, micro, last):
-                return recorder
+            def __init__(self, record_ops):
+                self.record_ops = record_ops
 
-        storages = []
+            def backward(self, micro, last):
+                return recorder if self.record_ops else contextlib.nullcontext()
+
+            @contextlib.contextmanager
+            def micro_step(self, micro, last):
+                yield
+                held.append({p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                             for p in params if p.grad is not None})
+
+        storages, outside = [], []
         for step in range(4):  # DDP lays out its buckets anew in step 2; from step 3 on they stay
-            t.step(lambda micro: t.next_batch(), InBackward() if step == 3 else NO_HOOKS)
-            storages.append({p.grad.untyped_storage().data_ptr() for p in t.model.parameters()
-                             if t.masters.has_copy(p)})
+            held.clear()
+            t.step(lambda micro: t.next_batch(), InBackward(step == 3))
+            storages.append({p.grad.untyped_storage().data_ptr() for p in params if t.masters.has_copy(p)})
+            # after the synced backward every gradient is a view of its bucket: what the accumulating
+            # micro-step held beyond those storages was a second copy of some gradients
+            outside.append(sum(n for ptr, n in held[0].items() if ptr not in held[-1]))
         copied = [str(f) for f, dtype, numel in recorder.log
                   if f in (torch.ops.aten.copy_.default, torch.ops.aten.mul.out, torch.ops.aten.div_.Tensor,
                            torch.ops.aten.div_.Scalar)
                   and dtype == torch.float32 and numel in masters]
         if rank == 0:
-            results.update(copied=copied, buckets=len(storages[3]), same=storages[2] == storages[3])
+            results.update(copied=copied, buckets=len(storages[3]), same=storages[2] == storages[3], outside=outside,
+                           others=sum(p.numel() * p.element_size() for p in params if not t.masters.has_copy(p)))
         t.close()
 
 
 def test_ddp_masters_reduce_in_their_buckets(tmp_path):
     """ddp keeps the masters' fp32 gradients in its reduce buckets between steps (released as stale):
     each weight GEMM writes its gradient there, so DDP copies no master gradient into a bucket and
-    divides none (the mean is the all-reduce's own), over 2 gloo ranks with accumulation 2. The
-    losses stay the single process's (test_ddp_and_zero1_match_one_process)."""
+    divides none (the mean is the all-reduce's own), over 2 gloo ranks with accumulation 2. From the
+    first step on: while a no_sync micro-step accumulates, the only gradients outside the buckets are
+    the other parameters' (set to None after each update, a fresh tensor each step), never a second
+    copy of the masters'. The losses stay the single process's (test_ddp_and_zero1_match_one_process)."""
     mp.spawn(_bucket_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["copied"] == []
+    assert r["outside"] == [r["others"]] * 4
     assert r["same"] and r["buckets"] < 4  # the gradients live in the same few bucket storages step to step
 
 

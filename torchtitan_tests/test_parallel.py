@@ -402,6 +402,7 @@ def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():
     from torch.distributed.device_mesh import init_device_mesh
 
     from titanlite.config import parallel_settings
+    from titanlite.ops.master_linear import MasterWeights
     from titanlite.parallel.ddp import apply_ddp
     from titanlite.parallel.dims import ParallelDims
 
@@ -413,7 +414,8 @@ def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():
         dims = ParallelDims("ddp", 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_replicate",)))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ddp = apply_ddp(model, parallel_settings(load_config(["--parallelism.data_parallel", "ddp"])), dims)
+            ddp = apply_ddp(model, parallel_settings(load_config(["--parallelism.data_parallel", "ddp"])), dims,
+                            MasterWeights())
         assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
     finally:
         dist.destroy_process_group()

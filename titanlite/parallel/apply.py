@@ -37,7 +37,7 @@ logger = logging.getLogger("titanlite")
 
 # The data-parallel wrapper of each mode (its traits: titanlite.parallel.modes); zero1 is DDP for
 # gradients, its optimizer-state sharding lives in titanlite.optim. fsdp and hsdp differ by their mesh.
-Wrapper = Callable[[nn.Module, ParallelSettings, ParallelDims], nn.Module]
+Wrapper = Callable[[nn.Module, ParallelSettings, ParallelDims, MasterWeights], nn.Module]
 DATA_PARALLEL: dict[str, Wrapper] = {"ddp": apply_ddp, "zero1": apply_ddp, "fsdp": apply_fsdp, "hsdp": apply_fsdp}
 
 
@@ -215,7 +215,7 @@ def parallelize(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
     is one `apply_*` function and one call here. The combination of settings was checked when the
     config was loaded (titanlite.config.manager.check_combination).
 
-    `wrap(model, settings, dims)` replaces the mode's data-parallel wrapper (DATA_PARALLEL): estimation's
+    `wrap(model, settings, dims, masters)` replaces the mode's data-parallel wrapper (DATA_PARALLEL): estimation's
     fake run wraps DDP around fake tensors on its fake process group, with its own comm hook."""
     mode = MODES[dims.mode]
     def applied(technique: str) -> None:  # each technique logged as it is applied, on the main rank
@@ -254,6 +254,6 @@ def parallelize(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         # (torch's CUDA-graph notes).
         graphs = settings.cuda_graphs and dims.device.type == "cuda"
         with torch.cuda.stream(torch.cuda.Stream(dims.device)) if graphs else contextlib.nullcontext():
-            model = (wrap or DATA_PARALLEL[dims.mode])(model, settings, dims)
+            model = (wrap or DATA_PARALLEL[dims.mode])(model, settings, dims, masters)
         applied(f"{dims.mode} over {dims.world_size} ranks")
     return Parallelized(model, masters)

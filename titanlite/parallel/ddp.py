@@ -16,14 +16,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from titanlite.ops.master_linear import MasterWeights, release_stale
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.settings import ParallelSettings
 
 
-def apply_ddp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
+def apply_ddp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, masters: MasterWeights) -> nn.Module:
     """DistributedDataParallel: gradients all-reduced in buckets of parallelism.ddp_bucket_cap_mb, in
     parallelism.ddp_reduce_dtype, averaged by the collective itself (see mean_allreduce_hook)."""
-    ddp = ddp_wrapper(model, settings, dims)
+    ddp = ddp_wrapper(model, settings, dims, masters)
     if settings.data_parallel.ddp_reduce_dtype == "bfloat16":
         ddp.register_comm_hook(ddp.process_group, bf16_allreduce_hook)
     elif not (settings.cuda_graphs and dims.device.type == "cuda"):
@@ -33,9 +34,12 @@ def apply_ddp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) 
     return ddp
 
 
-def ddp_wrapper(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> DistributedDataParallel:
+def ddp_wrapper(model: nn.Module, settings: ParallelSettings, dims: ParallelDims,
+                masters: MasterWeights) -> DistributedDataParallel:
     """The DistributedDataParallel module of apply_ddp, before its comm hook: replicas along the mesh's
-    dp_replicate dimension (today the whole job, whose default process group that dimension reuses)."""
+    dp_replicate dimension (today the whole job, whose default process group that dimension reuses).
+    With parallelism.ddp_bucket_view the masters of bf16 copies (`masters`) hold their gradients in
+    DDP's buckets from the first step on."""
     dp = settings.data_parallel
     ids = [dims.device.index] if dims.device.type == "cuda" else None
     # No buffer sync before each forward: the only buffers are RoPE tables, computed identically on every
@@ -44,9 +48,19 @@ def ddp_wrapper(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
     # warns on the old one, which torch 2.11 still needs.
     no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
-    return DistributedDataParallel(model, device_ids=ids, process_group=dims.mesh.get_group("dp_replicate"),
-                                   bucket_cap_mb=dp.ddp_bucket_cap_mb, gradient_as_bucket_view=dp.ddp_bucket_view,
-                                   **{no_sync: False})
+    in_buckets = [p for p in model.parameters() if masters.has_copy(p)] if dp.ddp_bucket_view else []
+    for p in in_buckets:
+        # DDP makes each gradient that exists when it is built a view of its bucket (released as stale below,
+        # as grads.release_grads leaves them after every step). Without one, the first step's no_sync
+        # micro-steps would accumulate the masters' gradients outside the buckets: a second fp32 copy of the
+        # blocks' gradients beside them until the last backward, which set the run's peak under accumulation.
+        p.grad = torch.zeros_like(p)
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=dims.mesh.get_group("dp_replicate"),
+                                  bucket_cap_mb=dp.ddp_bucket_cap_mb, gradient_as_bucket_view=dp.ddp_bucket_view,
+                                  **{no_sync: False})
+    for p in in_buckets:
+        release_stale(p)
+    return ddp
 
 
 def mean_allreduce_hook(group, bucket):

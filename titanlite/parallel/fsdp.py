@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from titanlite.parallel.copy_engine import gathers_on_copy_engines
+from titanlite.ops.master_linear import MasterWeights
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.policy import computes_bf16
 from titanlite.parallel.settings import ParallelSettings
@@ -66,9 +67,10 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
     return model
 
 
-def apply_fsdp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
+def apply_fsdp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, masters: MasterWeights) -> nn.Module:
     """fsdp and hsdp: the model sharded over dims.mesh (1-D or replicate x shard, see the module
-    docstring), its gathers where parallelism.fsdp_copy_engine_all_gather puts them."""
+    docstring), its gathers where parallelism.fsdp_copy_engine_all_gather puts them. (`masters` is empty:
+    FSDP's mixed-precision policy, not bf16 copies, gives the sharded modes their bf16 parameters.)"""
     model = shard_model(model, settings, dims)
     gathers_on_copy_engines(model, settings, dims)
     return model
