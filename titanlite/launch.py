@@ -98,11 +98,6 @@ def _die_with_launcher() -> None:
         _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _beside_the_job() -> None:
-    _die_with_launcher()
-    os.nice(10)
-
-
 class Job:
     """The job's processes: one titanlite.train, or this module's torchrun agent."""
 
@@ -131,13 +126,15 @@ class Job:
 
 class Prediction:
     """estimation.preflight running beside the job: GPUs hidden from it (it needs none, and a CUDA
-    context would take memory on the job's first GPU), on one thread without compile workers and at
-    a lower priority, so that the ranks' start-up, what a run that fits waits for, keeps the CPU."""
+    context would take memory on the job's first GPU), on one thread and without compile workers, so
+    that it takes one core from the ranks' start-up, which a run that fits waits for. Not at a lower
+    priority: while the ranks compile on every core it would lag them, and a run that cannot fit
+    would reach its out-of-memory error before the check's line."""
 
     def __init__(self, argv: list[str]):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                     preexec_fn=_beside_the_job)
+                                     preexec_fn=_die_with_launcher)
         self.pending = True
 
     def done(self) -> bool:
