@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from titanlite import launch
 from titanlite.config import load_config
@@ -69,6 +70,28 @@ def test_out_of_memory_ends_the_job_in_one_line(tmp_path, ngpu):
                "debug.inject_oom_step=2)" in kept
     (log,) = (tmp_path / "out").glob("run_*[0-9].json")
     assert [e["iter"] for e in json.loads(log.read_text())["training_iterations"]] == [1]
+
+
+def test_out_of_memory_is_found_behind_other_errors_and_the_advice_fits_the_run():
+    """An error raised from an out-of-memory error (torch.compile's, for one) counts as one; what to
+    lower keeps the global batch where the local batch can be halved, else names what is left."""
+    from titanlite.train import out_of_memory, what_to_lower
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("compiled graph failed") from inner
+    except RuntimeError as outer:
+        assert out_of_memory(outer) is oom
+    assert out_of_memory(RuntimeError("not memory")) is None
+    cfg = load_config(["--training.local_batch_size", "6", "--training.global_batch_size", "24"])
+    assert what_to_lower(cfg, 2) == ("lower it with --training.local_batch_size 3 --training.global_batch_size 24 (the "
+                                     "same global batch, accumulation 4), or --activation_checkpoint.mode selective, or "
+                                     "a shorter training.seq_len")
+    cfg = load_config(["--training.local_batch_size", "1", "--activation_checkpoint.mode", "selective"])
+    assert what_to_lower(cfg, 1) == "lower it with --activation_checkpoint.mode full, or a shorter training.seq_len"
 
 
 def test_a_non_finite_loss_on_two_ranks_is_one_line_and_exit_3(tmp_path):
