@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -173,7 +172,7 @@ def supervise(job: Job, prediction: Prediction, mode: str, poll_s: float = 0.1) 
             if code is not None:
                 if not (code == OUT_OF_MEMORY_EXIT and mode == "adjust" and prediction.pending):
                     prediction.cancel()
-                    return code
+                    return code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
                 prediction.proc.wait()  # out of memory before the prediction came: adjust starts it again
             if prediction.done():
                 verdict = prediction.verdict()
