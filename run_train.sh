@@ -77,11 +77,11 @@ if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
   export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 
-# A bad option costs a second and one line (exit 2), not a process-group start-up.
-"$PY" -m titanlite.config.check --world-size $((NGPU * NNODES)) "${ARGS[@]}"
-
+# titanlite.launch checks the options first (a bad one costs a second and one line, exit 2, not a
+# process-group start-up), predicts the peak memory per GPU beside the ranks' start-up
+# (training.memory_fit), and ends a failed job in one line with its exit code.
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
-  exec "$PY" -m titanlite.train "${ARGS[@]}"
+  exec "$PY" -m titanlite.launch --world-size 1 --command "$0" -- "${ARGS[@]}"
 fi
-exec "$PY" -m torch.distributed.run --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:---standalone} \
-  --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 -m titanlite.train "${ARGS[@]}"
+exec "$PY" -m titanlite.launch --world-size $((NGPU * NNODES)) --command "$0" --nproc_per_node="$NGPU" \
+  ${TORCHRUN_ARGS:---standalone} --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 -- "${ARGS[@]}"

@@ -11,6 +11,10 @@ a clean run pays one attribute check per hook. `python -m titanlite.diagnose` mu
 | inject_data_delay_ms + rank k   | one rank waits for data   | straggler                         |
 | inject_comm_mb                  | extra collective traffic  | communication                     |
 | inject_shared_device            | every rank on one device  | compute_stall                     |
+
+`inject_oom_step` plants a CUDA out-of-memory error (torch.OutOfMemoryError, as the allocator raises
+it) in that step's last micro-step, before its forward, on inject_rank, on any device: the failure's
+one line, exit code and traceback file (titanlite.train) are tested on CPU with it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class FaultInjector:
         self.active = debug_cfg.inject_rank in (-1, rank)
         self._mats = None  # (a, b, out) for the compute stall, built on first use on this rank's device
         self._comm_buf = None
+        self._steps = 0  # optimizer steps begun (comm() is called once in each)
 
     def data(self) -> None:
         """Called after each micro-batch is fetched (inside the data-wait phase)."""
@@ -36,7 +41,11 @@ class FaultInjector:
 
     def compute(self) -> None:
         """Called inside the compute phase of each micro-step: extra matmuls on the training device,
-        queued like the model's own kernels, so device timers see them as compute."""
+        queued like the model's own kernels, so device timers see them as compute; at inject_oom_step,
+        an out-of-memory error."""
+        if self.active and self.cfg.inject_oom_step and self._steps == self.cfg.inject_oom_step:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.00 GiB (planted by "
+                                         f"debug.inject_oom_step={self.cfg.inject_oom_step})")
         if not (self.active and self.cfg.inject_compute_matmuls > 0):
             return
         if self._mats is None:
@@ -50,7 +59,9 @@ class FaultInjector:
 
     def comm(self) -> None:
         """Called before the gradient synchronisation of each optimizer step: all-reduce a dummy
-        buffer. Every rank takes part whatever inject_rank says: a collective needs them all."""
+        buffer. Every rank takes part whatever inject_rank says: a collective needs them all. Called
+        once per optimizer step (before its last micro-step's compute), so it also counts the steps."""
+        self._steps += 1
         if self.cfg.inject_comm_mb <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         if self._comm_buf is None:

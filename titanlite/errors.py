@@ -1,5 +1,6 @@
-"""The error every layer raises for bad user input (a setting, a path, a combination), and for an
-optional package a command needs and this interpreter lacks.
+"""The error every layer raises for bad user input (a setting, a path, a combination), the line for an
+optional package a command needs and this interpreter lacks, and how a known failure is said: in one
+line for the job.
 
 It sits below every package so that parallel/, data/ and checkpoint/ can name a bad setting without
 importing the config parser; `titanlite.config.run_cli` turns it into one line and exit code 2.
@@ -8,10 +9,18 @@ importing the config parser; `titanlite.config.run_cli` turns it into one line a
 from __future__ import annotations
 
 import importlib
+import json
+import sys
+import time
 
 # The optional packages, by module: (pip package, the extra of pyproject.toml's
 # [project.optional-dependencies] that installs it). A test holds this table to pyproject.toml.
 OPTIONAL = {"matplotlib": ("matplotlib", "plot"), "pyarrow": ("pyarrow", "parquet"), "wandb": ("wandb", "wandb")}
+
+# A run's exit codes besides 0 (README, "Exit codes"): 1 a failure shown with its traceback, or a
+# checkpoint that could not be saved; 2 bad input, or a run the memory check predicts cannot fit;
+# 3 a non-finite loss; 4 out of memory; 130 Ctrl-C.
+OUT_OF_MEMORY_EXIT = 4
 
 
 class ConfigError(ValueError):
@@ -34,3 +43,22 @@ def require(module: str, needed_by: str):
         if (e.name or "").split(".")[0] != module.split(".")[0]:
             raise  # the package is there, and broken: its own error says more
         raise ConfigError(missing_package(module, needed_by)) from None
+def say_failure(line: str, exit_code: int, launch=None, same_on_every_rank: bool = False) -> None:
+    """Say why this process stops, in one line (`line` starts with "error: "), before it exits with
+    `exit_code`.
+
+    Under torchrun the line goes into this rank's error file (TORCHELASTIC_ERROR_FILE, torchrun's own
+    channel for a worker's failure): `titanlite.launch` prints the first failing rank's line once for
+    the job and exits with its code, where torchrun would print one report per job (exit code 1) and
+    every rank its own line; a torchrun started by hand shows the line in its report. A process on
+    its own prints it, every rank of a process group started another way its own, or only rank 0 when
+    `same_on_every_rank`. `launch`: the process's titanlite.parallel.launch.Launch (its rank and torchrun's
+    error file, read where the process started); None: a process on its own."""
+    error_file = launch.error_file if launch is not None else None
+    if error_file:
+        # torchrun's format (a message, when it happened: the first failure is the job's cause), and the
+        # exit code, which torchrun sees as a signal's where it stops this rank before it exits itself
+        with open(error_file, "w") as fh:
+            json.dump({"message": line, "timestamp": time.time(), "exit_code": exit_code}, fh)
+    elif not same_on_every_rank or launch is None or launch.rank == 0:
+        print(line, file=sys.stderr, flush=True)

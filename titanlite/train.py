@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -29,6 +30,7 @@ from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, 
 from titanlite.config import ConfigError, JobConfig, load_config, parallel_settings, resolve_batch, run_cli
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
+from titanlite.errors import OUT_OF_MEMORY_EXIT, say_failure
 from titanlite.hardware import peak_tflops
 from titanlite.metrics.profiler import StepProfiler
 from titanlite.metrics.reporter import Reporter, RunFacts
@@ -374,27 +376,35 @@ def run(cfg: JobConfig, launch: Launch | None = None) -> BaseException | None:
     (None on success). The failure's frames hold the Trainer, so they are dropped here: once this
     returns, the Trainer is gone."""
     launch = launch or Launch.from_environ()
+    trainer = None
     try:
         with Trainer(cfg, launch) as trainer:
             trainer.train()
     except BaseException as e:
-        failure = exit_for(e, launch.rank)
+        failure = exit_for(e, launch, cfg, trainer)
         e.with_traceback(None)  # in place: whoever else holds the exception must not keep the frames
         return failure
     return None
 
 
-def exit_for(e: BaseException, rank: int = 0) -> BaseException:
-    """What a failed run exits with: one line for a known failure, else the traceback printed once."""
+def exit_for(e: BaseException, launch: Launch, cfg: JobConfig | None = None,
+             trainer: Trainer | None = None) -> BaseException:
+    """What a failed run exits with: one line for a known failure (titanlite.errors.say_failure: once
+    for the job), else the traceback printed once."""
     if isinstance(e, NonFiniteLossError):
-        print(f"error: {e}", file=sys.stderr)
+        say_failure(f"error: {e}", 3, launch)
         return SystemExit(3)
-    if isinstance(e, CheckpointSaveError):  # one line, from rank 0 (every rank sees the same failure)
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+    if isinstance(e, CheckpointSaveError):  # every rank sees the same failure
+        say_failure(f"error: {e}", 1, launch, same_on_every_rank=True)
         return SystemExit(1)
-    if isinstance(e, (ConfigError, SystemExit)):
+    if isinstance(e, ConfigError):
+        say_failure(f"error: {e}", 2, launch, same_on_every_rank=True)
+        return SystemExit(2)
+    if isinstance(e, SystemExit):
         return e
+    if cfg is not None and out_of_memory(e) is not None:
+        say_failure(out_of_memory_line(e, cfg, launch, trainer), OUT_OF_MEMORY_EXIT, launch)
+        return SystemExit(OUT_OF_MEMORY_EXIT)
     traceback.print_exc()
     return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
 
@@ -415,6 +425,66 @@ def start_process() -> Launch:
     for name, value in REPRODUCIBLE_CPU_MATH.items():
         os.environ.setdefault(name, value)
     return Launch.from_environ()
+
+
+def out_of_memory(e: BaseException | None) -> torch.OutOfMemoryError | None:
+    """The out-of-memory error `e` is or was raised from (torch.compile's autotuning, for one, raises
+    its own error from the allocator's), else None."""
+    for _ in range(8):
+        if e is None or isinstance(e, torch.OutOfMemoryError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def out_of_memory_line(e: BaseException, cfg: JobConfig, launch: Launch, trainer: Trainer | None) -> str:
+    """The out-of-memory failure in one line: where, the peak and the device's capacity, what to lower,
+    and the file holding the full traceback (with the CUDA allocator's summary), written here."""
+    rank = launch.rank
+    dp = trainer.dims.dp_size if trainer else launch.world_size
+    when = f"in step {trainer.state.step + 1}" if trainer else "at start-up"
+    device = trainer.device if trainer else (torch.device("cuda", torch.cuda.current_device())
+                                             if torch.cuda.is_available() else torch.device("cpu"))
+    gib = 2**30
+    if device.type == "cuda":
+        peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        held = (f"peak {peak / gib:.1f} GiB allocated ({reserved / gib:.1f} reserved) of the GPU's "
+                f"{capacity / gib:.1f} GiB ({torch.cuda.get_device_name(device)})")
+    else:  # the process's high-water mark in the host's memory
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        held = f"peak {peak / gib:.1f} GiB of the host's {capacity / gib:.1f} GiB"
+    asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(out_of_memory(e)))
+    path = os.path.join(cfg.job.dump_folder, f"oom_rank{rank}.txt")
+    try:
+        with open(path, "w") as fh:
+            fh.write("".join(traceback.format_exception(e)))
+            if device.type == "cuda":
+                fh.write("\n" + torch.cuda.memory_summary(device))
+        kept = f"traceback: {path}"
+    except OSError as err:
+        kept = f"traceback not kept ({path}: {err.strerror})"
+    return (f"error: out of memory {when} on rank {rank}: {held}" + (f", asking {asked.group(1)} more" if asked else "")
+            + f"; {what_to_lower(cfg, dp)}; {kept}")
+
+
+def what_to_lower(cfg: JobConfig, dp: int) -> str:
+    """The settings that lower a step's peak, the first one ready to paste: half the local batch (its
+    largest divisor below it) with the accumulation that keeps the global batch."""
+    t, ac = cfg.training, cfg.activation_checkpoint.mode
+    out = []
+    if t.local_batch_size > 1:
+        local = next(d for d in range(t.local_batch_size // 2, 0, -1) if t.local_batch_size % d == 0)
+        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+        out.append(f"--training.local_batch_size {local} --training.global_batch_size {global_batch} (the same global "
+                   f"batch, accumulation {global_batch // (local * dp)})")
+    if ac != "full":
+        out.append(f"--activation_checkpoint.mode {'selective' if ac == 'none' else 'full'}")
+    out.append("a shorter training.seq_len")
+    return "lower it with " + ", or ".join(out)
 
 
 def main(argv: list[str]) -> None:

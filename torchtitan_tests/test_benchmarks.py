@@ -435,6 +435,8 @@ def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
 
 
 @pytest.mark.parametrize("script, argv", [("presets.py", ["--only", "no such row"]),
+                                          ("memory_fit.py", ["--cases", "llama,no_such_case"]),
+                                          ("memory_fit.py", ["--ngpus", "0"]),
                                           ("accum_numerics.py", ["--seeds", "1,x"]),
                                           ("accum_numerics.py", ["--steps", "5"]),
                                           ("accum_numerics.py", ["--local", "0"]),
@@ -445,6 +447,29 @@ def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_memory_fit_reads_what_the_start_up_did():
+    """benchmarks/memory_fit.py's reading of a run's timed output lines: the launcher's memory-check
+    line (started again, refused, ran), when it came, and the job's own failure line otherwise."""
+    import memory_fit
+
+    restart = ("memory check: llama/1.36B at local batch 24 needs a predicted 84.02 GiB per GPU (1 x NVIDIA H100 80GB "
+               "HBM3), more than the 78.59 GiB usable of the GPU's 79.2 GiB; starting again at local batch 12 x "
+               "accumulation 2, the largest that fits (about 51.2 GiB) and keeps the global batch 24 "
+               "(training.memory_fit=adjust, 14 s)")
+    lines = [(3.0, "[rank0]:run log: x.json"), (17.5, restart), (60.2, "[rank0]:step      1/12 | loss 10.9")]
+    assert memory_fit.did(lines, 0, False) == ("local batch 12 x accumulation 2 (started again)", 17.5, restart)
+    assert memory_fit.RESTART.search(restart).groups() == ("12", "2", "24")
+    refusal = "error: llama/1.36B at local batch 24 needs a predicted 84.02 GiB per GPU (...): ./run_train.sh ..."
+    assert memory_fit.did([(18.0, refusal)], 2, False) == ("refused", 18.0, refusal)
+    fits = "memory check: llama/1.36B at local batch 24 on 1 x NVIDIA H200: predicted peak 84.02 GiB per GPU of 139.8 GiB (12 s)"
+    assert memory_fit.did([(12.0, fits)], 0, False)[:2] == ("ran as written", 12.0)
+    assert memory_fit.did([(12.0, "warning: " + fits)], 0, False)[0] == "ran as written (tight)"
+    assert memory_fit.did([(1.0, "[rank0]:step 1")], 0, True)[0] == "ran as written (no check)"
+    oom = "error: out of memory in step 1 on rank 0: peak 77.5 GiB allocated ..."
+    assert memory_fit.did([(45.0, oom)], 4, True) == ("exit 4", None, oom)
+    assert memory_fit.FIRST_STEP.match("[rank0]:step      1/12 | loss") and not memory_fit.FIRST_STEP.match("step     10/12")
 
 
 def kernel_terms(tmp_path, kernels: dict[str, float]) -> dict[str, float]:

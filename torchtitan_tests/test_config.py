@@ -183,7 +183,7 @@ def test_run_train_sh_bad_ngpu(ngpu):
 
 
 # A stand-in for the interpreter run_train.sh is given (PYTHON=...): it records what would install
-# (pip) or launch (torchrun) instead of doing it, and hands every other call to a real interpreter.
+# (pip), or with STUB_ENV the launch (titanlite.launch), instead of doing it, and hands every other call to a real interpreter.
 STUB = """#!/usr/bin/env bash
 if [ "$1 $2" = "-m pip" ]; then
   echo "${@:3}" >> "$STUB_LOG"
@@ -193,17 +193,17 @@ if [ "$1 $2" = "-m pip" ]; then
   esac
   exit 0
 fi
-if [ "$1 $2" = "-m torch.distributed.run" ]; then env > "$STUB_ENV"; exit 0; fi
+if [ -n "${STUB_ENV:-}" ] && [ "$1 $2" = "-m titanlite.launch" ]; then env > "$STUB_ENV"; exit 0; fi
 exec "$STUB_REAL" "$@"
 """
 
 
-def stub_python(folder, real: str):
+def stub_python(folder, real: str, record_launch: bool = False):
     stub = folder / "python"
     stub.write_text(STUB)
     stub.chmod(0o755)
     return {"PYTHON": str(stub), "STUB_REAL": real, "STUB_LOG": str(folder / "pip.log"),
-            "STUB_ENV": str(folder / "torchrun.env")}
+            **({"STUB_ENV": str(folder / "launch.env")} if record_launch else {})}
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +257,12 @@ def test_run_train_sh_installs_nothing_present_and_sets_no_nccl_variable(tmp_pat
     """With every dependency present pip never runs; a multi-process launch gets the caller's
     environment with no NCCL_* variable added (those are the cluster owner's to choose)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
-    env.update(stub_python(tmp_path, sys.executable), NGPU="2")
+    env.update(stub_python(tmp_path, sys.executable, record_launch=True), NGPU="2")
     r = subprocess.run(["./run_train.sh", "--parallelism.data_parallel", "ddp"], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "pip.log").exists()
-    launched = dict(line.split("=", 1) for line in (tmp_path / "torchrun.env").read_text().splitlines() if "=" in line)
+    launched = dict(line.split("=", 1) for line in (tmp_path / "launch.env").read_text().splitlines() if "=" in line)
     assert launched["STUB_REAL"] == sys.executable  # it is the launch's environment
     assert [k for k in launched if k.startswith("NCCL_")] == []
 
@@ -336,8 +336,8 @@ def test_a_warm_up_not_shorter_than_the_run_is_named_in_one_line():
 
 def test_float8_on_two_cpu_processes_is_refused_before_torchrun(tmp_path):
     """A machine without GPUs (nvidia-smi finds none): run_train.sh with NGPU=2 stops in its config
-    check (one line, exit 2); the interpreter is never started on torch.distributed.run or
-    titanlite.train."""
+    check (one line, exit 2); the interpreter is started once, on titanlite.launch, whose check
+    refuses before torchrun or titanlite.train starts."""
     calls, bin_dir = tmp_path / "calls", tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in (("python", f'echo "$*" >> {calls}\nexec {sys.executable} "$@"'),
@@ -353,7 +353,7 @@ def test_float8_on_two_cpu_processes_is_refused_before_torchrun(tmp_path):
     assert r.stderr.splitlines() == ["error: float8.enable needs a GPU with compute capability >= 8.9 (H100-class), "
                                      "not CPU; set float8.emulate=true to emulate it (tests only, slow)"]
     started = calls.read_text().splitlines()
-    assert len(started) == 1 and started[0].startswith("-m titanlite.config.check --world-size 2"), started
+    assert len(started) == 1 and started[0].startswith("-m titanlite.launch --world-size 2"), started
 
 
 @pytest.mark.parametrize("args,capabilities,message", [

@@ -386,6 +386,24 @@ def test_wandb_offline_run_holds_what_tensorboard_logs(tmp_cache, monkeypatch):
     assert history[3]["val/loss"] == pytest.approx(t.run_log.data["validation"][-1]["val_loss"], rel=1e-9)
 
 
+def test_wandb_offline_run_goes_where_wandb_dir_says(tmp_cache, monkeypatch):
+    """W&B's own convention: with WANDB_DIR set the offline run is under $WANDB_DIR/wandb/, and nothing
+    of it under the run folder (without it, the run folder: the test above)."""
+    for var in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_ENTITY", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_cache / "wandb_home"))
+    (tmp_cache / "wandb_home").mkdir()
+    run_folder = tmp_cache / "run"
+    cfg = load_config(TINY + ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.enable_wandb",
+                              "--validation.enable=false", "--job.dump_folder", str(run_folder)])
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    assert len(list((tmp_cache / "wandb_home" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    assert not (run_folder / "wandb").exists()
+
+
 def test_tensorboard_and_profiler_files(tmp_cache):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

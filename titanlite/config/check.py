@@ -1,7 +1,7 @@
-"""Validate a command line without importing torch: `python -m titanlite.config.check --world-size N ARGS`.
+"""Validate a command line before any rank starts: `python -m titanlite.config.check --world-size N ARGS`.
 
-run_train.sh calls this before torchrun so a typo costs a second, not a cluster start-up,
-and every error is one line with exit code 2. Besides what `load_config` checks, it asks this
+titanlite.launch (what run_train.sh runs) calls `check` before torchrun so a typo costs a second, not
+a cluster start-up, and every error is one line with exit code 2. Besides what `load_config` checks, it asks this
 node's GPUs (through nvidia-smi, not torch) about what needs a GPU, so a combination that cannot run
 here is refused before torchrun starts its ranks.
 """
@@ -18,23 +18,34 @@ from titanlite.errors import missing_package
 from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
 from titanlite.parallel.launch import Launch
 
-def gpu_capabilities() -> list[tuple[int, int]] | None:
-    """Compute capabilities of this node's NVIDIA GPUs: [] on a machine without nvidia-smi or without
-    GPUs, None when nvidia-smi cannot tell (an older driver)."""
+
+def gpus() -> list[tuple[str, tuple[int, int]]] | None:
+    """This node's NVIDIA GPUs as nvidia-smi names them, with their compute capabilities: [] on a
+    machine without nvidia-smi or without GPUs, None when nvidia-smi cannot tell (an older driver)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
-        r = subprocess.run([exe, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if "No devices were found" in r.stdout + r.stderr:
         return []
+    found = []
     try:
-        return [tuple(int(x) for x in line.strip().split(".")) for line in r.stdout.splitlines() if line.strip()]
+        for line in filter(str.strip, r.stdout.splitlines()):
+            name, _, capability = line.rpartition(",")
+            found.append((name.strip(), tuple(int(x) for x in capability.strip().split("."))))
     except ValueError:
         return None
+    return found
+
+
+def gpu_capabilities() -> list[tuple[int, int]] | None:
+    """Compute capabilities of this node's NVIDIA GPUs ([]: none; None: nvidia-smi cannot tell)."""
+    found = gpus()
+    return None if found is None else [capability for _, capability in found]
 
 
 def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
@@ -60,15 +71,28 @@ def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
         raise ConfigError("parallelism.fsdp_copy_engine_all_gather=on needs CUDA GPUs and NCCL; this machine has no GPU")
 
 
-def main(argv: list[str]) -> None:
-    world = 1
-    if argv[:1] == ["--world-size"]:
-        if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
-            raise ConfigError("--world-size expects a positive integer")
-        world, argv = int(argv[1]), argv[2:]
+def check(argv: list[str], world: int) -> tuple:
+    """The configuration of `argv` for `world` ranks, checked against this node's GPUs; returns it
+    with the GPUs (`gpus()`)."""
     cfg = load_config(argv, Launch(world_size=world))  # before torchrun: no launcher has said more yet
     resolve_batch(cfg, world)
-    check_launch(cfg, gpu_capabilities())
+    found = gpus()
+    check_launch(cfg, None if found is None else [capability for _, capability in found])
+    return cfg, found
+
+
+def world_size(argv: list[str]) -> tuple[int, list[str]]:
+    """A leading `--world-size N` (default 1) and the arguments after it."""
+    if argv[:1] != ["--world-size"]:
+        return 1, argv
+    if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+        raise ConfigError("--world-size expects a positive integer")
+    return int(argv[1]), argv[2:]
+
+
+def main(argv: list[str]) -> None:
+    world, argv = world_size(argv)
+    check(argv, world)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,12 @@ class Training:
                    "(less memory and traffic); cross_entropy: logits, then torch's fp32 cross-entropy")
     loss_chunk_tokens: int = doc(2048, "loss=chunked: tokens per logits chunk; the chunk's logits and their gradient "
                                        "are the peak's temporaries (2048 x vocab 32000: 0.12 GiB per bf16 buffer)", min=1)
+    memory_fit: Literal["check", "adjust", "off"] = doc(
+        "check", "run_train.sh on a GPU titanlite/hardware.py lists: predict the peak memory per GPU (estimation) "
+                 "while the ranks start; where the local batch cannot fit, check = stop in one line (exit 2) naming "
+                 "the predicted peak, the GPU's memory and the command that fits; adjust = start again at the "
+                 "largest local batch that fits and divides the global batch, accumulation raised to keep it "
+                 "(said at start-up; one node); off = no prediction. See docs/estimation.md")
     cuda_graphs: bool = doc(False, "capture the whole training step as a CUDA graph after warm-up (seed: use_cuda_graphs)")
     cuda_graphs_warmup: int = doc(10, "eager steps before capture", min=1)
 
@@ -213,6 +219,9 @@ class Debug:
     inject_matmul_size: int = doc(512, "side of the square matrices those extra matmuls multiply", min=1)
     inject_comm_mb: float = doc(0.0, "all-reduce a dummy buffer of this many MB before each gradient sync: slow "
                                      "communication (every rank takes part, since a collective needs them all)", min=0.0)
+    inject_oom_step: int = doc(0, "raise a CUDA out-of-memory error (torch.OutOfMemoryError) in this step, before its last "
+                                  "micro-step's forward, on inject_rank, on any device (0 = never): tests the failure's one line",
+                               min=0)
     inject_shared_device: bool = doc(False, "put every rank on one device: GPU 0 (process group over gloo, as NCCL "
                                             "refuses shared GPUs) or one CPU core")
 

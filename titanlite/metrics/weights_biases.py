@@ -2,9 +2,9 @@
 (titanlite.metrics.tensorboard.step_scalars), by the same tags and steps, and the validation loss.
 
 Project, run name and entity come from the metrics options, else from W&B's own variables
-(WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY); WANDB_MODE=offline keeps the run on disk, under
-<dump_folder>/wandb/, with no network (`wandb sync` uploads it later). The resolved configuration
-is the run's config.
+(WANDB_PROJECT, WANDB_NAME, WANDB_ENTITY); WANDB_MODE=offline keeps the run on disk, with no
+network (`wandb sync` uploads it later). Its files go where W&B's own WANDB_DIR says ($WANDB_DIR/wandb/),
+else under the run folder (<dump_folder>/wandb/). The resolved configuration is the run's config.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class WandB:
         self.run = wandb.init(project=m.wandb_project or os.environ.get("WANDB_PROJECT") or "titanlite",
                               name=m.wandb_run_name or os.environ.get("WANDB_NAME") or run_name,
                               entity=m.wandb_entity or os.environ.get("WANDB_ENTITY") or None,
-                              dir=cfg.job.dump_folder, config=config)
+                              dir=os.environ.get("WANDB_DIR") or cfg.job.dump_folder, config=config)
 
     def log_step(self, e: dict) -> None:
         self.run.log(step_scalars(e), step=e["iter"])

@@ -22,6 +22,7 @@ class Launch:
     local_rank: int = 0                # LOCAL_RANK: its index on its host, which picks its GPU
     ranks_per_host: int | None = None  # LOCAL_WORLD_SIZE: ranks sharing this host; None where the launcher does not say
     torchrun: bool = False             # started by torchrun's agent (TORCHELASTIC_RUN_ID), which watch_launcher follows
+    error_file: str | None = None      # TORCHELASTIC_ERROR_FILE: where torchrun reads why a rank failed
 
     @property
     def is_main(self) -> bool:
@@ -33,4 +34,4 @@ class Launch:
         per_host = environ.get("LOCAL_WORLD_SIZE")
         return cls(world_size=int(environ.get("WORLD_SIZE", "1")), rank=int(environ.get("RANK", "0")),
                    local_rank=int(environ.get("LOCAL_RANK", "0")), ranks_per_host=int(per_host) if per_host else None,
-                   torchrun="TORCHELASTIC_RUN_ID" in environ)
+                   torchrun="TORCHELASTIC_RUN_ID" in environ, error_file=environ.get("TORCHELASTIC_ERROR_FILE"))

@@ -1,0 +1,126 @@
+"""The memory check of a training job (training.memory_fit), run by titanlite.launch beside the ranks'
+start-up: `python -m estimation.preflight --world-size W --nodes N --hardware KEY --command C -- ARGS`.
+
+It predicts the job's peak memory per GPU on that GPU with `estimation.estimate` (the configured local
+batch, and where that does not fit, the batch search up to it) and prints one JSON line, what the
+launcher does: {"action": "none" | "warn" | "stop" | "restart", "line": the line to print, "args":
+the options to restart with}. `stop` names the predicted peak, the GPU's memory and the command (C
+followed by ARGS, the batch options replaced) that fits; `restart` (training.memory_fit=adjust, one
+node) the local batch it starts again at. The global batch is kept: the configured one, or local x
+ranks where it is -1, with the accumulation raised. A prediction that fails says so and stops nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+import time
+import warnings
+
+from titanlite.config import ConfigError, data_parallel_mode, load_config
+
+from titanlite.parallel.launch import Launch
+
+from estimation.estimate import estimate
+from estimation.hardware import get_hardware
+
+BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size", "training.memory_fit")
+
+
+def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: list[str]) -> dict:
+    """What the launcher does about `cfg` on `world` GPUs of kind `hardware` (a titanlite.hardware key)."""
+    t0 = time.perf_counter()
+    hw = get_hardware(hardware)
+    t = cfg.training
+    local = t.local_batch_size
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else local * world
+    cfg.training.global_batch_size = global_batch  # kept: the search's answer divides it
+    cfg.estimate.hardware, cfg.estimate.ngpu = hardware, world
+    cfg.estimate.search, cfg.estimate.max_local_batch = True, local  # the largest that fits, up to the configured
+    mode = data_parallel_mode(cfg, world)
+    where = f"{world} x {hw.device_name}" + (f", {mode}" if world > 1 else "")
+    try:
+        report = estimate(cfg, progress=lambda _line: None)
+    except ConfigError as e:  # not even local batch 1 fits: the estimate says what could
+        return {"action": "stop", "line": f"error: {e}"}
+    m, search = report["memory"], report["batch_search"]
+    took = f"{time.perf_counter() - t0:.0f} s"
+    if m["fits"]:
+        line = (f"memory check: {cfg.model.name}/{cfg.model.flavor} at local batch {local} on {where}: predicted "
+                f"peak {m['peak_gib']:.2f} GiB per GPU of {hw.memory_gib:.1f} GiB ({took})")
+        if m["tight"]:
+            return {"action": "warn", "line": f"warning: {line}, inside the allocator's {m['allocator_headroom']:.0%} "
+                                              f"headroom: the steps may slow while it releases its cache, or run "
+                                              f"out of memory"}
+        return {"action": "none", "line": line}
+
+    need = (f"{m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else f"at least {m['floor_gib']:.1f} GiB")
+    why = (f"{cfg.model.name}/{cfg.model.flavor} at local batch {local} needs a predicted {need} per GPU "
+           f"({where}), more than the {m['usable_gib']:.2f} GiB usable of the GPU's {hw.memory_gib:.1f} GiB")
+    fit = search.get("local_batch_for_global")
+    if not fit:
+        return {"action": "stop", "line": f"error: {why}; no local batch is clear of the allocator's headroom: "
+                                          f"try --activation_checkpoint.mode full or more GPUs with "
+                                          f"--parallelism.data_parallel fsdp"}
+    accum = search["gradient_accumulation_steps"]
+    peak = _peak_at(search["probes"], fit)
+    args = ["--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)]
+    size = (f"{peak[0]:.2f} GiB" if peak and peak[1] else f"about {peak[0]:.1f} GiB" if peak else "")
+    fits = f"fits{f' ({size})' if size else ''} and keeps the global batch {global_batch}"
+    if cfg.training.memory_fit == "adjust" and nodes == 1:
+        return {"action": "restart", "args": args,
+                "line": f"memory check: {why}; starting again at local batch {fit} x accumulation {accum}, the "
+                        f"largest that {fits} (training.memory_fit=adjust, {took})"}
+    return {"action": "stop", "line": f"error: {why}; local batch {fit} x accumulation {accum} {fits}: {command} "
+                                      f"{shlex.join([*without(argv, BATCH_KEYS), *args])}"}
+
+
+def _peak_at(probes: list[dict], batch: int) -> tuple[float, bool] | None:
+    """Predicted peak (GiB) at `batch` and whether a fake step measured it: its probe's, else the line
+    between the probes around it (the peak is near-linear in the batch), else None."""
+    by_batch = {p["local_batch"]: p["peak_gib"] for p in probes}
+    if batch in by_batch:
+        return by_batch[batch], True
+    below = max((b for b in by_batch if b < batch), default=None)
+    above = min((b for b in by_batch if b > batch), default=None)
+    if below is None or above is None:
+        return None
+    return by_batch[below] + (by_batch[above] - by_batch[below]) * (batch - below) / (above - below), False
+
+
+def without(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """`argv` less the options `keys` (as `--key value` or `--key=value`)."""
+    out, i = [], 0
+    while i < len(argv):
+        key = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
+        if key in keys:
+            i += 1 if "=" in argv[i] else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def main(argv: list[str]) -> None:
+    """Prints the verdict's JSON line; never fails the job: an error becomes a line saying so."""
+    logging.basicConfig(level=logging.ERROR)
+    warnings.filterwarnings("ignore")  # fake-tensor and FSDP notices say nothing about the memory
+    opts = {}
+    while argv and argv[0] != "--":
+        opts[argv[0].lstrip("-")], argv = argv[1], argv[2:]
+    argv = argv[1:]
+    try:
+        world, nodes = int(opts["world-size"]), int(opts.get("nodes", 1))
+        launch = Launch(world_size=world, ranks_per_host=world // nodes)  # the job's layout, before it starts
+        verdict = preflight(load_config(argv, launch), world, nodes, opts["hardware"],
+                            opts.get("command", "./run_train.sh"), argv)
+    except Exception as e:  # noqa: BLE001 -- the training runs whatever went wrong here
+        verdict = {"action": "none",
+                   "line": f"memory check: no prediction ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"}
+    print(json.dumps(verdict), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

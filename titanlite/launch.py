@@ -1,0 +1,246 @@
+"""Start a training job: `python -m titanlite.launch --world-size W [--command C] [TORCHRUN OPTIONS] -- ARGS`.
+
+What run_train.sh runs once it has chosen the processes (one process when no torchrun options come):
+1. The config check (`titanlite.config.check`): a bad option is one line and exit code 2 before any
+   rank starts.
+2. The memory check (`training.memory_fit`): where this node's GPU is in titanlite/hardware.py, `python
+   -m estimation.preflight` predicts the job's peak memory per GPU *while the ranks start*, so a run
+   that fits waits for nothing. A prediction that the configured local batch cannot fit stops the
+   ranks at once (they are compiling, or in a step that needs that peak): `check` ends the job in
+   one line (exit code 2) naming the predicted peak, the GPU's memory and the command that fits;
+   `adjust` starts the job again at the largest local batch that fits and divides the global batch,
+   with the accumulation that keeps it, and says so. A job that ends first ends the check, but for
+   an out-of-memory failure under `adjust`, which waits for the prediction to start again.
+3. The job: `python -m titanlite.train ARGS`, or torchrun run inside this module's `agent`, where a
+   failure a rank said in one line (`titanlite.errors.say_failure`) ends the job in that line, the
+   first failing rank's, with its exit code, instead of torchrun's report.
+
+Without a memory check to run (no GPU, a GPU the table lacks, training.memory_fit=off) the job takes
+this process over; with one, this process waits for the job and relays its exit code. Ctrl-C reaches
+every process of the job from the terminal; SIGTERM sent here is passed on to the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from titanlite.config import ConfigError, run_cli
+from titanlite.config.check import check, world_size
+from titanlite.errors import OUT_OF_MEMORY_EXIT
+from titanlite.hardware import lookup
+
+BAD_INPUT_EXIT = 2
+
+
+def main(argv: list[str]) -> None:
+    world, argv = world_size(argv)
+    command = "./run_train.sh"  # how the job was started, for the command the memory check advises
+    if argv[:1] == ["--command"] and len(argv) > 1:
+        command, argv = argv[1], argv[2:]
+    if "--" not in argv:
+        raise ConfigError("titanlite.launch expects [TORCHRUN OPTIONS] -- TRAINING ARGUMENTS")
+    torchrun_opts, train_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    cfg, found = check(train_args, world)
+    prediction = prediction_command(cfg, world, nodes(torchrun_opts), found or [], command, train_args)
+    if prediction is None:
+        if torchrun_opts:
+            sys.exit(agent(torchrun_opts, train_args))
+        os.execv(sys.executable, train_command(train_args))
+    sys.exit(supervise(Job(torchrun_opts, train_args), Prediction(prediction), cfg.training.memory_fit))
+
+
+def nodes(torchrun_opts: list[str]) -> int:
+    """The nodes torchrun's --nnodes names (the most of a range), 1 without it."""
+    m = re.search(r"--nnodes[= ](?:\d+:)?(\d+)", " ".join(torchrun_opts))
+    return int(m.group(1)) if m else 1
+
+
+def train_command(train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "titanlite.train", *train_args]
+
+
+def prediction_command(cfg, world: int, n_nodes: int, found: list, command: str,
+                       train_args: list[str]) -> list[str] | None:
+    """The estimation.preflight command for this job, or None where there is nothing to predict: the
+    check is off, the node has no GPU, or its GPU has no row in titanlite/hardware.py (said in a line)."""
+    if cfg.training.memory_fit == "off" or not found:
+        return None
+    rows = [lookup(name) for name, _ in found]
+    if None in rows:
+        unknown = found[rows.index(None)][0]
+        print(f"memory check skipped: no memory figure for '{unknown}' in titanlite/hardware.py "
+              f"(training.memory_fit={cfg.training.memory_fit})", flush=True)
+        return None
+    smallest = min(rows, key=lambda hw: hw.memory_gib)
+    if "NGPU" in os.environ:
+        command = f"NGPU={os.environ['NGPU']} {command}"
+    return [sys.executable, "-m", "estimation.preflight", "--world-size", str(world), "--nodes", str(n_nodes),
+            "--hardware", smallest.key, "--command", command, "--", *train_args]
+
+
+# --------------------------------------------------------------------------------------- supervise
+_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+
+
+def _die_with_launcher() -> None:
+    """In a child, before it runs: SIGTERM when this process dies, so a launcher killed outright
+    (kill -9) leaves no job training unsupervised (Linux; this process's main thread starts it)."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Job:
+    """The job's processes: one titanlite.train, or this module's torchrun agent."""
+
+    def __init__(self, torchrun_opts: list[str], train_args: list[str]):
+        self.torchrun_opts, self.train_args = torchrun_opts, train_args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, extra_args: tuple[str, ...] = ()) -> None:
+        args = [*self.train_args, *extra_args]
+        argv = ([sys.executable, "-m", "titanlite.launch", "--agent", *self.torchrun_opts, "--", *args]
+                if self.torchrun_opts else train_command(args))
+        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_launcher)
+
+    def stop(self) -> None:
+        """At once and saving nothing (no step of a run that does not fit has finished): one process
+        is killed; the agent kills its ranks (SIGUSR1, see `agent`) and exits once they are gone, so
+        their GPU memory is free when this returns."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1 if self.torchrun_opts else signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Prediction:
+    """estimation.preflight running beside the job: GPUs hidden from it (it needs none, and a CUDA
+    context would take memory on the job's first GPU), on one thread and without compile workers, so
+    that it takes one core from the ranks' start-up, which a run that fits waits for. Not at a lower
+    priority: while the ranks compile on every core it would lag them, and a run that cannot fit
+    would reach its out-of-memory error before the check's line."""
+
+    def __init__(self, argv: list[str]):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                     preexec_fn=_die_with_launcher)
+        self.pending = True
+
+    def done(self) -> bool:
+        return self.pending and self.proc.poll() is not None
+
+    def verdict(self) -> dict:
+        """What estimation.preflight decided: {"action": none | warn | stop | restart, "line", "args"}."""
+        self.pending = False
+        out = self.proc.stdout.read().strip().splitlines()
+        try:
+            return json.loads(out[-1])
+        except (IndexError, ValueError):
+            return {"action": "none", "line": f"memory check: no prediction (estimation.preflight exited with "
+                                              f"{self.proc.returncode})"}
+
+    def cancel(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.proc.kill()
+            self.proc.wait()
+
+
+def supervise(job: Job, prediction: Prediction, mode: str, poll_s: float = 0.1) -> int:
+    """Run the job beside the prediction and act once on what it predicts (training.memory_fit `mode`);
+    returns the job's exit code, or 2 where the prediction stopped it."""
+    def pass_on(signum, _frame):
+        prediction.cancel()
+        if signum != signal.SIGINT:  # Ctrl-C reaches the job from the terminal itself
+            job.proc.send_signal(signum)
+
+    before = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        job.start()
+        while True:
+            code = job.proc.poll()
+            if code is not None:
+                if not (code == OUT_OF_MEMORY_EXIT and mode == "adjust" and prediction.pending):
+                    prediction.cancel()
+                    return code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
+                prediction.proc.wait()  # out of memory before the prediction came: adjust starts it again
+            if prediction.done():
+                verdict = prediction.verdict()
+                action = verdict["action"]
+                if action in ("stop", "restart"):
+                    job.stop()
+                print(verdict["line"], file=sys.stderr if action in ("warn", "stop") else sys.stdout, flush=True)
+                if action == "stop":
+                    return BAD_INPUT_EXIT
+                if action == "restart":
+                    job.start(tuple(verdict["args"]))
+            time.sleep(poll_s)
+    finally:
+        prediction.cancel()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------------------ agent
+# torchrun's own lines about a failure or a stop that the job's one line replaces (message templates)
+_AGENT_NOISE = ("failed (exitcode", "Sending process", "Received %s death signal")
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_AGENT_NOISE)
+
+
+def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
+    """torchrun in this process (`torch.distributed.run`, options as its command line takes them) on
+    titanlite.train; returns the exit code. A failed job ends in the first failing rank's one line and
+    its exit code where a rank said one (its error file), else in torchrun's report (exit code 1).
+    SIGUSR1 kills the ranks (the memory check's stop) and returns 137."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_quiet)
+
+    def stop(_signum, _frame):
+        # what torchrun's own handlers raise: its agent then stops the ranks with that signal
+        raise SignalException("stopped by titanlite.launch", sigval=signal.SIGKILL)
+
+    signal.signal(signal.SIGUSR1, stop)
+    try:
+        run(parse_args([*torchrun_opts, "-m", "titanlite.train", *train_args]))
+    except ChildFailedError as e:
+        said = first_line(e)
+        print(said[0] if said else f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)  # else torchrun's report
+        return said[1] if said else 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+def first_line(e) -> tuple[str, int] | None:
+    """The line and exit code of the first rank that said its failure in one line (its error file,
+    `titanlite.errors.say_failure`) in torchrun's ChildFailedError `e`, or None where none did. The
+    exit code is the one the rank said: torchrun may have stopped it (SIGTERM) after its line."""
+    said = {rank: f.error_file_data for rank, f in e.failures.items() if "exit_code" in f.error_file_data}
+    if not said:
+        return None
+    _, first = min(said.items(), key=lambda rd: (float(rd[1]["timestamp"]), rd[0]))
+    return first["message"], int(first["exit_code"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--agent"]:
+        rest = sys.argv[2:]
+        sys.exit(agent(rest[:rest.index("--")], rest[rest.index("--") + 1:]))
+    run_cli(main)

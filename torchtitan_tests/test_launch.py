@@ -1,0 +1,318 @@
+"""Starting a job (titanlite.launch): a failed job's one line and exit code, out of memory included
+(titanlite.errors.say_failure, the torchrun agent), and the memory check beside the ranks' start-up
+(estimation.preflight, training.memory_fit)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from titanlite import launch
+from titanlite.config import load_config
+from titanlite.parallel.launch import Launch
+
+from conftest import ROOT
+
+TINY = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--validation.enable=false",
+        "--metrics.progress_bar=false", "--data.num_workers", "0", "--parallelism.data_parallel", "ddp",
+        "--metrics.log_freq", "1"]
+
+
+def run_train(folder, *args, ngpu: int, env=None, timeout=300):
+    """./run_train.sh from `folder` with NGPU processes, as installed (no pip)."""
+    env = {**os.environ, "NGPU": str(ngpu), "TITANLITE_INSTALL": "0", **(env or {})}
+    return subprocess.run([str(ROOT / "run_train.sh"), *args], capture_output=True, text=True, cwd=folder, env=env,
+                          timeout=timeout)
+
+
+def job_processes(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (a test's own folder)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if marker.encode() in fh.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+# ------------------------------------------------------------------------------ a failure in one line
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_out_of_memory_ends_the_job_in_one_line(tmp_path, ngpu):
+    """A planted CUDA out-of-memory error in step 2 on every rank: the job's output holds one line
+    about it (not one per rank, no traceback, no torchrun report), naming the step, the peak and the
+    device's capacity, what to lower (a command ready to paste) and the traceback file; exit code 4;
+    each rank's full traceback is in the run folder."""
+    r = run_train(tmp_path, *TINY, "--training.local_batch_size", "4", "--training.steps", "4",
+                  "--debug.inject_oom_step", "2", "--job.dump_folder", "out", ngpu=ngpu)
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, out[-3000:]
+    said = [line for line in out.splitlines() if "out of memory" in line]
+    assert len(said) == 1 and said[0] in r.stderr.splitlines(), out[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "exitcode", "OutOfMemoryError"):
+        assert noise not in out, out[-3000:]
+    rank = int(re.search(r" on rank (\d)", said[0]).group(1))
+    assert re.fullmatch(
+        rf"error: out of memory in step 2 on rank {rank}: peak \d+\.\d GiB of the host's \d+\.\d GiB, asking 1\.00 "
+        rf"GiB more; lower it with --training\.local_batch_size 2 --training\.global_batch_size {4 * ngpu} \(the "
+        rf"same global batch, accumulation 2\), or --activation_checkpoint\.mode selective, or a shorter "
+        rf"training\.seq_len; traceback: out/oom_rank{rank}\.txt", said[0]), said[0]
+    for k in range(ngpu):
+        kept = (tmp_path / "out" / f"oom_rank{k}.txt").read_text()
+        assert kept.startswith("Traceback (most recent call last)") and "in train_step" in kept
+        assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB (planted by " \
+               "debug.inject_oom_step=2)" in kept
+    (log,) = (tmp_path / "out").glob("run_*[0-9].json")
+    assert [e["iter"] for e in json.loads(log.read_text())["training_iterations"]] == [1]
+
+
+def test_out_of_memory_is_found_behind_other_errors_and_the_advice_fits_the_run():
+    """An error raised from an out-of-memory error (torch.compile's, for one) counts as one; what to
+    lower keeps the global batch where the local batch can be halved, else names what is left."""
+    from titanlite.train import out_of_memory, what_to_lower
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("compiled graph failed") from inner
+    except RuntimeError as outer:
+        assert out_of_memory(outer) is oom
+    assert out_of_memory(RuntimeError("not memory")) is None
+    cfg = load_config(["--training.local_batch_size", "6", "--training.global_batch_size", "24"])
+    assert what_to_lower(cfg, 2) == ("lower it with --training.local_batch_size 3 --training.global_batch_size 24 (the "
+                                     "same global batch, accumulation 4), or --activation_checkpoint.mode selective, or "
+                                     "a shorter training.seq_len")
+    cfg = load_config(["--training.local_batch_size", "1", "--activation_checkpoint.mode", "selective"])
+    assert what_to_lower(cfg, 1) == "lower it with --activation_checkpoint.mode full, or a shorter training.seq_len"
+
+
+def test_a_non_finite_loss_on_two_ranks_is_one_line_and_exit_3(tmp_path):
+    """The documented exit code of a known failure holds under torchrun too (torchrun itself exits 1)."""
+    r = run_train(tmp_path, *TINY, "--training.local_batch_size", "2", "--training.steps", "3", "--optimizer.lr",
+                  "1e30", "--training.max_norm", "0", "--lr_scheduler.warmup_steps", "0", "--job.dump_folder", "out",
+                  ngpu=2)
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert len([line for line in out.splitlines() if "non-finite" in line]) == 1, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "exitcode" not in out
+
+
+def test_the_job_ends_with_the_first_ranks_line_and_the_code_it_said(tmp_path, monkeypatch):
+    """torchrun's failure record of each rank (its error file read by torch): the first to say a line
+    gives the job's line and exit code, also where torchrun stopped that rank (SIGTERM: -15) after it
+    said it; a rank that said nothing (killed, or a traceback) leaves torchrun's report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titanlite.errors import say_failure
+
+    def failure(rank: int, exitcode: int, line: str | None, at: float) -> ProcessFailure:
+        path = tmp_path / f"error_{rank}.json"
+        if line:
+            monkeypatch.setattr(time, "time", lambda: at)
+            say_failure(line, 4, Launch(world_size=3, rank=rank, error_file=str(path)))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    e = ChildFailedError("titanlite.train", {0: failure(0, 4, "error: second", 20.5), 1: failure(1, -15, "error: first", 20.25),
+                                             2: failure(2, -9, None, 0.0)})
+    assert launch.first_line(e) == ("error: first", 4)
+    assert launch.first_line(ChildFailedError("titanlite.train", {0: failure(3, 1, None, 0.0)})) is None
+
+
+# ------------------------------------------------------------------------------ the launcher's watch
+JOB = """
+import os, sys, time
+args = sys.argv[2:]
+open(sys.argv[1], "a").write(" ".join(args) + "\\n")
+if "--training.local_batch_size" in args or "--quick" in args:  # restarted, or a quick job
+    time.sleep(0.3)
+elif "--until" in args:  # a second after the prediction's verdict
+    while not os.path.exists(args[args.index("--until") + 1]):
+        time.sleep(0.05)
+    time.sleep(1.0)
+else:
+    time.sleep(60)
+sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args and "--training.local_batch_size" not in args else 0)
+"""
+
+
+@pytest.fixture
+def stub_job(monkeypatch, tmp_path):
+    """The job as a stand-in process that records its arguments and runs 60 s, 0.3 s with --quick or
+    once restarted with a local batch, or until the file after --until exists; it exits with --exit's
+    code (0 once restarted)."""
+    monkeypatch.setattr(launch, "train_command", lambda args: [sys.executable, "-c", JOB, str(tmp_path / "starts"),
+                                                               *args])
+    return lambda *args: launch.Job([], list(args))
+
+
+def predicting(verdict: dict, after_s: float, then_touch=None) -> launch.Prediction:
+    """A stand-in prediction printing `verdict` after `after_s` seconds (then creating `then_touch`)."""
+    touch = f"; open({str(then_touch)!r}, 'w').close()" if then_touch else ""
+    return launch.Prediction([sys.executable, "-c", f"import sys, time; time.sleep({after_s}); "
+                                                    f"print({json.dumps(verdict)!r}); sys.stdout.flush(){touch}"])
+
+
+def test_a_prediction_that_the_run_cannot_fit_stops_it(stub_job, tmp_path, capsys):
+    job = stub_job("--x")
+    started = time.monotonic()
+    code = launch.supervise(job, predicting({"action": "stop", "line": "error: does not fit"}, 0.5), "check")
+    assert code == 2 and time.monotonic() - started < 20
+    assert job.proc.returncode == -9  # killed at once: no step of it fits
+    assert capsys.readouterr().err.splitlines() == ["error: does not fit"]
+    assert (tmp_path / "starts").read_text().splitlines() == ["--x"]
+
+
+def test_adjust_starts_the_job_again_with_the_batch_that_fits(stub_job, tmp_path, capsys):
+    job = stub_job("--x")
+    verdict = {"action": "restart", "line": "memory check: starting again", "args": ["--training.local_batch_size", "2"]}
+    assert launch.supervise(job, predicting(verdict, 0.5), "adjust") == 0
+    assert (tmp_path / "starts").read_text().splitlines() == ["--x", "--x --training.local_batch_size 2"]
+    assert capsys.readouterr().out.splitlines() == ["memory check: starting again"]
+
+
+def test_a_job_that_ends_first_ends_the_prediction(stub_job):
+    prediction = predicting({"action": "stop", "line": "error: too late"}, 60)
+    assert launch.supervise(stub_job("--quick", "--exit", "5"), prediction, "check") == 5
+    assert prediction.proc.returncode == -9
+
+
+@pytest.mark.parametrize("mode, code, starts", [("adjust", 0, 2), ("check", 4, 1)])
+def test_out_of_memory_before_the_prediction(stub_job, tmp_path, mode, code, starts):
+    """adjust waits for the prediction to start the job again at the batch that fits; check ends with
+    the job's own out-of-memory line and code."""
+    verdict = {"action": "restart", "line": "memory check: starting again", "args": ["--training.local_batch_size", "2"]}
+    assert launch.supervise(stub_job("--quick", "--exit", "4"), predicting(verdict, 5.0), mode) == code
+    assert len((tmp_path / "starts").read_text().splitlines()) == starts
+
+
+def test_a_run_that_fits_is_left_alone_and_says_its_peak(stub_job, tmp_path, capsys):
+    job = stub_job("--until", str(tmp_path / "predicted"))
+    prediction = predicting({"action": "none", "line": "memory check: fits"}, 0.0, then_touch=tmp_path / "predicted")
+    assert launch.supervise(job, prediction, "check") == 0
+    assert capsys.readouterr().out.splitlines() == ["memory check: fits"]
+    assert job.proc.returncode == 0
+
+
+# ------------------------------------------------------------------------------ what is predicted
+DEBUG = ["--training.dataset", "synthetic", "--training.seq_len", "256", "--training.local_batch_size", "16"]
+# usable memory of 0.14 GiB: the debug LLaMA's peak at local batch 16 (0.17 GiB) does not fit, 8's does
+SMALL_GPU = ["--estimate.reserved_gib", "79.05"]
+
+
+def preflight(argv: list[str], world: int = 1, nodes: int = 1) -> dict:
+    from estimation.preflight import preflight as decide
+
+    return decide(load_config(argv, Launch(world_size=world, ranks_per_host=world // nodes)), world, nodes, "h100",
+                  "./run_train.sh", argv)
+
+
+def predicted_peak(argv: list[str]) -> dict:
+    from estimation.estimate import estimate
+
+    cfg = load_config(argv + ["--estimate.search=false"])
+    return estimate(cfg, progress=lambda _: None)["memory"]
+
+
+def test_the_check_of_a_run_that_fits_names_its_predicted_peak():
+    v = preflight(DEBUG)
+    m = predicted_peak(DEBUG)
+    assert v["action"] == "none" and m["fits"]
+    assert re.fullmatch(rf"memory check: llama/debug at local batch 16 on 1 x NVIDIA H100 80GB HBM3: predicted peak "
+                        rf"{m['peak_gib']:.2f} GiB per GPU of 79\.2 GiB \(\d+ s\)", v["line"]), v["line"]
+
+
+def test_check_refuses_in_one_line_naming_the_command_that_fits():
+    """The line names the predicted peak, the usable memory and the GPU's, and a command whose own
+    prediction fits: the same options with the largest local batch that divides the global batch."""
+    argv = DEBUG + SMALL_GPU + ["--training.steps", "7"]
+    v = preflight(argv)
+    m = predicted_peak(argv)
+    assert v["action"] == "stop" and not m["fits"]
+    command = v["line"].split(": ./run_train.sh ")[1].split()
+    assert re.fullmatch(rf"error: llama/debug at local batch 16 needs a predicted {m['peak_gib']:.2f} GiB per GPU \(1 x "
+                        rf"NVIDIA H100 80GB HBM3\), more than the 0\.14 GiB usable of the GPU's 79\.2 GiB; local batch 8 "
+                        rf"x accumulation 2 fits \((about \d\.\d|\d\.\d\d) GiB\) and keeps the global batch 16: \./run_train\.sh .*",
+                        v["line"]), v["line"]
+    assert command == ["--training.dataset", "synthetic", "--training.seq_len", "256", *SMALL_GPU, "--training.steps", "7",
+                       "--training.local_batch_size", "8", "--training.global_batch_size", "16"]  # the batch replaced
+    assert predicted_peak(command)["fits"]
+
+
+def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several():
+    argv = DEBUG + SMALL_GPU + ["--training.memory_fit", "adjust"]
+    v = preflight(argv)
+    assert v["action"] == "restart"
+    assert v["args"] == ["--training.local_batch_size", "8", "--training.global_batch_size", "16"]
+    assert re.search(r"; starting again at local batch 8 x accumulation 2, the largest that fits \((about \d\.\d|"
+                     r"\d\.\d\d) GiB\) and keeps the global batch 16 \(training\.memory_fit=adjust, \d+ s\)$", v["line"])
+    v = preflight(argv, world=2, nodes=2)  # one launcher per node: a restart they do not agree on
+    assert v["action"] == "stop" and "; local batch 8 x accumulation 2 fits (" in v["line"]
+    assert ") and keeps the global batch 32: ./run_train.sh " in v["line"]
+    assert "--training.memory_fit" not in v["line"]
+
+
+def test_a_run_that_fits_no_batch_is_refused_with_what_could():
+    v = preflight(DEBUG + ["--estimate.reserved_gib", "79.19"])
+    assert v["action"] == "stop" and "does not fit even at local batch 1" in v["line"]
+
+
+def test_a_failed_prediction_says_so_and_stops_nothing():
+    r = subprocess.run([sys.executable, "-m", "estimation.preflight", "--world-size", "1", "--hardware", "nosuchgpu",
+                        "--", *DEBUG], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    v = json.loads(r.stdout.splitlines()[-1])
+    assert r.returncode == 0 and v["action"] == "none" and v["line"].startswith("memory check: no prediction (")
+
+
+# ------------------------------------------------------------------------------ run_train.sh, end to end
+def fake_gpus(folder, n: int = 2) -> dict:
+    """nvidia-smi naming `n` H100s: the launcher predicts for them; the ranks still train on the CPU."""
+    (folder / "bin").mkdir()
+    smi = folder / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in $(seq 1 %d); do\n  if [ \"$1\" = -L ]; then echo \"GPU $i: NVIDIA H100 80GB HBM3\"; "
+                   "else echo 'NVIDIA H100 80GB HBM3, 9.0'; fi\ndone\n" % n)
+    smi.chmod(0o755)
+    return {"PATH": f"{folder / 'bin'}:{os.environ['PATH']}"}
+
+
+def test_run_train_sh_refuses_a_run_predicted_not_to_fit(tmp_path):
+    """Two ranks start on the CPU; the prediction beside them (two H100s as nvidia-smi names them,
+    usable memory shrunk) stops them: one line, exit code 2, no rank left behind."""
+    r = run_train(tmp_path, *TINY, "--training.seq_len", "256", "--training.local_batch_size", "16",
+                  "--training.steps", "1000", "--debug.inject_data_delay_ms", "100", *SMALL_GPU,
+                  "--job.dump_folder", str(tmp_path / "out"), ngpu=2, env=fake_gpus(tmp_path))
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0] in r.stderr.splitlines(), out[-3000:]
+    assert re.fullmatch(r"error: llama/debug at local batch 16 needs a predicted \d\.\d\d GiB per GPU \(2 x NVIDIA H100 "
+                        r"80GB HBM3, ddp\), more than the 0\.14 GiB usable .*; local batch 8 x accumulation 2 fits "
+                        rf"\((about \d\.\d|\d\.\d\d) GiB\) and keeps the global batch 32: NGPU=2 {ROOT}/run_train\.sh .* --training\."
+                        r"local_batch_size 8 --training\.global_batch_size 32", errors[0]), errors[0]
+    assert "Traceback" not in out and "exitcode" not in out and "death signal" not in out
+    assert job_processes(str(tmp_path)) == []
+
+
+def test_run_train_sh_adjust_starts_again_at_the_batch_that_fits(tmp_path):
+    """training.memory_fit=adjust, the ranks out of memory before the prediction comes (planted at
+    step 1): the job starts again at local batch 8 x accumulation 2, the global batch kept, and says so."""
+    r = run_train(tmp_path, *TINY, "--training.seq_len", "256", "--training.local_batch_size", "16",
+                  "--training.steps", "2", "--debug.inject_oom_step", "1", *SMALL_GPU, "--training.memory_fit",
+                  "adjust", "--job.dump_folder", str(tmp_path / "out"), ngpu=2, env=fake_gpus(tmp_path))
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, out[-3000:]  # the planted failure comes back in the second start
+    (said,) = [line for line in r.stdout.splitlines() if "starting again" in line]
+    assert "starting again at local batch 8 x accumulation 2, the largest that fits" in said
+    assert "and keeps the global batch 32 (training.memory_fit=adjust" in said
+    logs = sorted((tmp_path / "out").glob("run_*[0-9].json"))
+    first, second = (json.loads(p.read_text())["startup_info"]["config"] for p in logs)
+    assert (first["batch_size"], first["gradient_accumulation_steps"]) == (16, 1)
+    assert (second["batch_size"], second["gradient_accumulation_steps"], second["global_batch_size"]) == (8, 2, 32)
