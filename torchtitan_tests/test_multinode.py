@@ -1,7 +1,8 @@
 """Two torchrun invocations, one per "node", meet through the c10d rendezvous on localhost and train
 together (gloo, FSDP); their losses match a single process training on the same global batch. The same
 two nodes started by the SLURM batch script (scripts/slurm/train.sbatch) through stand-in `srun` and
-`scontrol` commands."""
+`scontrol` commands. A checkpoint of the two nodes resumed by one process, and one of one process
+resumed by the two nodes, with every sample id counted across the change."""
 
 import json
 import os
@@ -41,16 +42,17 @@ def assert_one_job(folder, expected) -> None:
     assert got == pytest.approx(expected, rel=1e-5)
 
 
-def test_two_torchrun_nodes_match_single_process(tmp_cache):
-    expected = single_process_losses(tmp_cache / "single")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+def two_nodes(*target: str, env: dict | None = None) -> str:
+    """Two torchrun agents of one process each, meeting through c10d on localhost, running `target`
+    (-m module or a script and its arguments); their output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "titanlite-test",
-           "-m", "titanlite.train", *args(tmp_cache / "multi", 2)]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "titanlite-test",
+           *target]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
     outputs = []
     for p in nodes:
         try:
@@ -60,7 +62,113 @@ def test_two_torchrun_nodes_match_single_process(tmp_cache):
                 q.kill()
             pytest.fail("torchrun nodes did not finish within 300 s")
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outputs)
+    return "\n".join(outputs)
+
+
+def test_two_torchrun_nodes_match_single_process(tmp_cache):
+    expected = single_process_losses(tmp_cache / "single")
+    two_nodes("-m", "titanlite.train", *args(tmp_cache / "multi", 2))
     assert_one_job(tmp_cache / "multi", expected)
+
+
+# --------------------------------------------------------------------- resume with another world size
+SEQ, STEPS = 8, 8
+# titanlite.train with each rank's micro-batches recorded: the first token of every row, which in the
+# arange corpus below is the start of its window, so it names the sample. One JSON line per micro-batch.
+RECORDING = """\
+import json, os, sys
+sys.path.insert(0, {root!r})
+from titanlite import train
+from titanlite.config import run_cli
+
+fetch = train.Trainer.next_batch
+
+
+def next_batch(self, micro=0):
+    inputs, labels = fetch(self, micro)
+    with open(os.environ["SAMPLES"] + "." + os.environ.get("RANK", "0"), "a") as fh:
+        fh.write(json.dumps({{"step": self.state.step + 1, "rank": self.dims.rank, "micro": micro,
+                              "starts": inputs[:, 0].tolist()}}) + "\\n")
+    return inputs, labels
+
+
+train.Trainer.next_batch = next_batch
+run_cli(train.main)
+"""
+
+
+@pytest.fixture(scope="module")
+def arange_corpus(tmp_path_factory):
+    """2047 tokens 0, 1, ... in one shard (the debug model's vocabulary): window j starts at token 8j."""
+    import numpy as np
+
+    from titanlite.data.shards import ShardWriter
+
+    folder = tmp_path_factory.mktemp("data") / "arange"
+    with ShardWriter(folder, vocab_size=2048, shard_tokens=4096) as w:
+        w.add("train", np.arange(2047))
+        w.add("val", np.arange(1000))
+        w.commit({"vocab_size": 2048, "eos_id": 0, "tokenizer": {"file": "tokenizer.json", "sha256": "arange"}})
+    return folder
+
+
+def resume_args(corpus, folder, *extra: str) -> list[str]:
+    """Global batch 4 (2 ranks x 2, or 1 rank x 2 x 2 accumulation), a checkpoint every 4 steps."""
+    return ["--training.dataset", "prepared", "--training.dataset_path", str(corpus), "--training.seq_len", str(SEQ),
+            "--training.local_batch_size", "2", "--training.global_batch_size", "4", "--training.steps", str(STEPS),
+            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--validation.enable=false", "--metrics.progress_bar=false", "--data.num_workers", "0",
+            "--parallelism.data_parallel", "fsdp", "--job.dump_folder", str(folder), "--checkpoint.enable",
+            "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0", *extra]
+
+
+def recorded_run(script, corpus, folder, nodes: int, *extra: str) -> tuple[dict, dict, str]:
+    """One run on `nodes` torchrun agents of one process (1: a plain process): {step: sample ids in
+    global-stream order}, {step: loss} and its output."""
+    env = {**ENV, "SAMPLES": str(folder / "samples")}
+    argv = resume_args(corpus, folder, *extra)
+    if nodes == 1:
+        r = subprocess.run([sys.executable, str(script), *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        out = r.stdout + r.stderr
+    else:
+        out = two_nodes(str(script), *argv, env=env)
+    rows = [json.loads(ln) for f in sorted(folder.glob("samples.*")) for ln in f.read_text().splitlines()]
+    # the stream's order inside a step: micro-step, then rank (loader.py's module doc)
+    rows.sort(key=lambda r: (r["step"], r["micro"], r["rank"]))
+    samples: dict[int, list[int]] = {}
+    for r in rows:
+        samples.setdefault(r["step"], []).extend(s // SEQ for s in r["starts"])
+    (log,) = sorted(folder.glob("run_*[0-9].json"))[-1:]
+    losses = {}
+    for e in json.loads(log.read_text())["training_iterations"]:
+        losses.update(zip(range(e["iter"] - len(e["step_losses"]) + 1, e["iter"] + 1), e["step_losses"]))
+    return samples, losses, out
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["2 nodes x 1 -> 1 process", "1 process -> 2 nodes x 1"])
+def test_resume_with_another_world_size_reads_every_sample_once(tmp_cache, arange_corpus, first, then):
+    """A checkpoint written at step 4 by `first` nodes of one process resumes on `then` (fsdp's shards and
+    AdamW state resharded by DCP, global batch 4 both ways): steps 5-8 read exactly the samples the
+    uninterrupted run read there, in the same order, so across the change every sample of the 8 steps
+    is read once; the losses are the uninterrupted run's (another reduction order: float tolerance)."""
+    script = tmp_cache / "recording.py"
+    script.write_text(RECORDING.format(root=str(ROOT)))
+    folder = tmp_cache / "run"
+    before, expected, _ = recorded_run(script, arange_corpus, folder, first)
+    assert sorted(before) == list(range(1, STEPS + 1)) and all(len(v) == 4 for v in before.values())
+    for f in folder.glob("samples.*"):
+        f.unlink()
+    after, losses, out = recorded_run(script, arange_corpus, folder, then, "--checkpoint.load_step", "4")
+    assert f"checkpoint saved by {first} ranks, this run has {then}" in out
+    assert "re-sharding the stream at position 16 " in out
+    assert sorted(after) == [5, 6, 7, 8]
+    assert after == {s: before[s] for s in after}  # the same samples at each step, in the same order
+    ids = [i for s in range(1, 5) for i in before[s]] + [i for s in after for i in after[s]]
+    assert len(ids) == len(set(ids)) == STEPS * 4  # none read twice, none skipped
+    assert sorted(losses) == [5, 6, 7, 8]
+    assert [losses[s] for s in losses] == pytest.approx([expected[s] for s in losses], rel=1e-5)
 
 
 # Stand-ins for SLURM's commands: `scontrol show hostnames` lists the job's hosts (the first one is
