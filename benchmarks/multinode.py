@@ -9,8 +9,8 @@ Layouts (LLaMA 1.36B at the peer's shapes, compile, synthetic tokens, `--steps` 
 - one: one torchrun agent of k processes (--standalone);
 - two: two agents of k/2 processes each (LOCAL_WORLD_SIZE k/2: hsdp shards inside a "node" and
   replicates across; fsdp's copy-engine gathers are off, by design, for groups spanning hosts);
-- sockets: two agents with NCCL held to sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1), the network
-  of two real nodes without one. Beside it, the bus bandwidth of all-reduce, all-gather and
+- sockets: two agents with NCCL held to sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1, over the
+  loopback interface), a network between the two "nodes". Beside it, the bus bandwidth of all-reduce, all-gather and
   reduce-scatter over the same transport (benchmarks/collectives.py on two agents), and the estimator
   given that bandwidth (`--estimate.inter_node_gbps`, nodes of one GPU: every hop on sockets,
   `link_efficiency` 1 since the figure is achieved bandwidth): predicted against measured tok/s/GPU.
@@ -43,7 +43,8 @@ import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
 
 MODES = ("fsdp", "hsdp", "ddp")
 LAYOUTS = ("one", "two", "sockets")
-SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+# NCCL between the two "nodes" over TCP sockets (loopback: both are this host), as over a network
+SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 # a CPU check of the script itself (tests): the debug model, gloo
 DEBUG_SHAPES = ["--model.flavor", "debug", "--training.dataset", "synthetic", "--training.local_batch_size", "2",
                 "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "2", "--validation.enable=false",
