@@ -225,7 +225,10 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
             edges += last if phase == "bwd_last" else 0.0
     no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
     hidden_comm = max(0.0, comm_fb - edges)
-    beside = beside_all * hidden_comm / comm_fb if comm_fb else 0.0  # only the hidden share slows the compute
+    # only the share of the collectives that runs beside compute slows it: the hidden share, and of that no
+    # more than the compute's own length (a collective longer than the compute, on a slow network, spends
+    # the rest beside nothing)
+    beside = beside_all * min(hidden_comm, compute_fb) / comm_fb if comm_fb else 0.0
     overlap = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
     terms["comm_exposed"] = max(0.0, overlap - compute_fb - beside - compute_opt)
     terms["comm_beside"] = beside

@@ -583,3 +583,17 @@ def test_recommend_weighs_hsdp_against_fsdp_on_whole_nodes():
     assert modes(12, "--estimate.gpus_per_node", "4") == {"ddp", "zero1", "fsdp", "hsdp"}
     c = _config(_cfg("--estimate.gpus_per_node", "4"), Knobs("hsdp", "none", False, False, False), 1, 1, 12)
     assert (c.parallelism.replicate_degree, c.parallelism.shard_degree) == (-1, 4)
+
+
+def test_collectives_longer_than_the_compute_slow_only_the_compute_beside_them():
+    """On a slow network the collectives outlast the compute they hide behind: only the compute's length
+    of them runs beside it, so the slowdown is the rate x that, not x the whole collective time."""
+    from estimation.throughput import predict
+    from estimation.tracker import Collective, PhaseWork
+
+    a = _network_assumptions(gpus_per_node=1, network_gbps=0.1, beside_collectives={"all_reduce": 0.5})
+    work = {p: PhaseWork() for p in ("fwd_last", "bwd_last", "opt")}
+    work["fwd_last"].matmul_flops = work["bwd_last"].matmul_flops = 1e12  # 1 ms each at 1000 TFLOP/s
+    work["bwd_last"].collectives = [Collective("allreduce_", 1e6, (0, 1))] * 3  # 10 ms each at 0.1 GB/s
+    t = predict(work, a, 1, 1000, 1.0, 2)["terms_ms"]
+    assert t["comm_total"] > 30 and t["comm_beside"] == pytest.approx(0.5 * 2.0)  # 2 ms of compute beside them
