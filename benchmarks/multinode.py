@@ -95,7 +95,9 @@ def busbw(measured: dict, mode: str, per_node: int) -> float:
 def predict(mode: str, gbps: float, a, base: list[str], hardware: str) -> tuple[float | None, str]:
     """The estimator's tok/s/GPU for `mode` on k ranks, nodes of one GPU, the network at `gbps` GB/s."""
     report = Path(tempfile.mkdtemp()) / "estimate.json"
-    cmd = [sys.executable, "-m", "estimation", *base, "--parallelism.data_parallel", mode, *a.extra,
+    # every hop is on sockets: nodes of one GPU for the model, hsdp's mesh as the run's (a "node" of k/2)
+    mesh = ["--parallelism.shard_degree", str(a.ngpus // 2)] if mode == "hsdp" else []
+    cmd = [sys.executable, "-m", "estimation", *base, "--parallelism.data_parallel", mode, *mesh, *a.extra,
            "--estimate.ngpu", str(a.ngpus), "--estimate.gpus_per_node", "1", "--estimate.inter_node_gbps",
            f"{8 * gbps:.4g}", "--estimate.link_efficiency", "1", "--estimate.search=false", "--estimate.hardware",
            hardware, "--estimate.output", str(report), "--job.dump_folder", str(report.parent)]
@@ -146,7 +148,8 @@ def throughput(a, base: list[str], out: Path) -> int:
     launch.save(out, "multinode", text, results, {"rows": rows, "validation": validation, "bandwidth": measured})
     # the estimate is of the GPU; on the CPU (--debug) it is shown, not judged
     off = [v for v in validation if v["err_pct"] is None or abs(v["err_pct"]) > 10]
-    return 1 if any(r.error for r in results) or not all(checks) or (off and not a.debug) else 0
+    unmeasured = "sockets" in a.layouts and measured is None
+    return 1 if any(r.error for r in results) or not all(checks) or unmeasured or (off and not a.debug) else 0
 
 
 def table(rows: list[dict], validation: list[dict], a) -> str:
