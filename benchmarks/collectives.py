@@ -23,7 +23,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")  # torch 2.13 renames it; 2.11 has only this
+# torch 2.13 renames reduce_scatter_tensor; 2.11 (the GPU machine's) has only this name
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
