@@ -90,6 +90,26 @@ def bench_env(extra: dict | None = None) -> dict:
     return {**BENCH_ENV, **os.environ, **(extra or {})}
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_commands(nodes: int, per_node: int, target: list[str], rdzv_id: str) -> list[tuple[list[str], dict]]:
+    """`nodes` torchrun agents on this host standing for nodes (c10d rendezvous on localhost), `per_node`
+    processes each, with the environment of each: its own share of the host's GPUs (CUDA_VISIBLE_DEVICES,
+    so each agent's local rank 0 is a GPU of its own)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(nodes * per_node)]
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", *target]
+    return [(cmd, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per_node:(i + 1) * per_node])}) for i in range(nodes)]
+
+
 def command(ngpus: int, target: list[str]) -> list[str]:
     """`python TARGET` on one GPU, torchrun over `ngpus` GPUs of this host otherwise (TARGET: -m module or a script)."""
     if ngpus == 1:
@@ -113,6 +133,37 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
             rc = None
             _kill_group(p)
     text = log.read_text(errors="replace")
+    return rc, text, time.time() - t0
+
+
+def execute_nodes(name: str, agents: list[tuple[list[str], dict]], timeout: int, work: Path = WORK, cwd: Path = ROOT,
+                  env: dict | None = None, grace: float = 30.0) -> tuple[int | None, str, float]:
+    """Run the agents of `node_commands` at once, each as its own process group (output in
+    WORK/<name>.node<i>.log), under `env` and each its own; kill every group at `timeout` s, and the
+    others `grace` s after one fails (its peers would wait for it). Returns (0, or the first failure's
+    rc, or None at the timeout; the outputs one after the other; seconds)."""
+    work.mkdir(parents=True, exist_ok=True)
+    t0, procs, logs = time.time(), [], []
+    for i, (cmd, own) in enumerate(agents):
+        logs.append(work / f"{name}.node{i}.log")
+        print(f"[{time.strftime('%H:%M:%S')}] {name} node {i}: {' '.join(cmd)}", flush=True)
+        with open(logs[-1], "w") as fh:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=bench_env({**(env or {}), **own}), stdout=fh,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline, timed_out = t0 + timeout, False
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.time() + grace)
+        if time.time() > deadline:
+            timed_out = all(p.returncode in (None, 0) for p in procs)
+            for p in procs:
+                if p.poll() is None:
+                    _kill_group(p)
+            break
+        time.sleep(0.5)
+    rcs = [p.wait() for p in procs]
+    text = "\n".join(f"== node {i} ==\n" + log.read_text(errors="replace") for i, log in enumerate(logs))
+    rc = None if timed_out else next((r for r in rcs if r != 0), 0)
     return rc, text, time.time() - t0
 
 
@@ -196,16 +247,23 @@ def _strip_ansi(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------ titanlite
 def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_freq: int = 5, timeout: int = 420,
-              work: Path = WORK, base: list[str] | None = None) -> Result:
-    """One titanlite training run (`python -m titanlite.train BASE ARGS`); its run log read back."""
+              work: Path = WORK, base: list[str] | None = None, nodes: int = 1, env: dict | None = None) -> Result:
+    """One titanlite training run (`python -m titanlite.train BASE ARGS`); its run log read back. With
+    `nodes` > 1, `nodes` torchrun agents on this host stand for as many nodes (node_commands), the
+    `ngpus` GPUs split between them; `env` is added to the run's environment."""
     folder = work / name
     if folder.exists():
         for old in folder.glob("run_*.json"):
             old.unlink()
-    cmd = command(ngpus, ["-m", "titanlite.train", *(PEER_SHAPES if base is None else base), *args,
-                          "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
-                          "--job.dump_folder", str(folder)])
-    rc, text, wall = execute(name, cmd, timeout, work)
+    target = ["-m", "titanlite.train", *(PEER_SHAPES if base is None else base), *args, "--training.steps", str(steps),
+              "--metrics.log_freq", str(log_freq), "--job.dump_folder", str(folder)]
+    if nodes > 1:
+        agents = node_commands(nodes, ngpus // nodes, target, name)
+        cmd = agents[0][0]
+        rc, text, wall = execute_nodes(name, agents, timeout, work, env=env)
+    else:
+        cmd = command(ngpus, target)
+        rc, text, wall = execute(name, cmd, timeout, work, env=env)
     res = Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text)
     logs = sorted(folder.glob("run_*.json"), key=os.path.getmtime)
     if logs:

@@ -13,7 +13,7 @@ from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION
 
 from estimation.fake_run import FakeRun, StepResult
-from estimation.hardware import auto_attention, get_hardware
+from estimation.hardware import auto_attention, get_hardware, gpus_per_node, on_nodes
 from estimation.throughput import assumptions, predict
 
 GIB = 2**30
@@ -169,6 +169,7 @@ def estimate(cfg, progress=_progress) -> dict:
     est = cfg.estimate
     hw = get_hardware(est.hardware)
     world = est.ngpu
+    cfg = on_nodes(cfg, world)
     accum = resolve_batch(cfg, world)
     local = cfg.training.local_batch_size
     args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
@@ -233,7 +234,8 @@ def estimate(cfg, progress=_progress) -> dict:
     report = {
         "config": {
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": args.num_params(), "ngpu": world,
-            "hardware": est.hardware, "device_name": hw.device_name, "data_parallel": mode,
+            "hardware": est.hardware, "device_name": hw.device_name, "gpus_per_node": gpus_per_node(est),
+            "inter_node_gbps": est.inter_node_gbps, "data_parallel": mode,
             "local_batch_size": local, "seq_len": seq, "gradient_accumulation_steps": accum,
             "global_batch_size": local * world * accum, "activation_checkpoint": cfg.activation_checkpoint.mode,
             "float8": cfg.float8.enable, "compile": cfg.compile.enable, "attention_backend": attention,
@@ -365,10 +367,12 @@ def format_report(r: dict) -> str:
                  f"{w['elementwise_bytes'] / 1e9:.1f} GB + compiled kernels {w['fused_bytes'] / 1e9:.1f} GB, "
                  f"optimizer {w['optimizer_bytes'] / 1e9:.1f} GB, "
                  f"{w['kernels']:,.0f} kernels, link {w['comm_bytes'] / 1e9:.2f} GB")
+    network = (f" inside a node of {a['gpus_per_node']}, across nodes {c['inter_node_gbps']:g} Gb/s per GPU"
+               if c["ngpu"] > a["gpus_per_node"] else "")
     lines.append(f"  rates: GEMM {a['gemm_efficiency']:.2f} of {a['peak_tflops']:g} TFLOP/s; attention "
                  f"{a['attention_backend']} {a['attention_efficiency']:.3f}; element-wise {a['elementwise_efficiency']:.2f} "
                  f"(eager) / {a['fused_efficiency']:.2f} (compiled) and optimizer {a['optimizer_efficiency']:.2f} of "
-                 f"{a['hbm_tbps']:g} TB/s; link {a['link_efficiency']:.2f} of {a['link_gbps']:g} GB/s; launch "
+                 f"{a['hbm_tbps']:g} TB/s; link {a['link_efficiency']:.2f} of {a['link_gbps']:g} GB/s{network}; launch "
                  f"{a['launch_us']:g} us/kernel (estimation/calibration.json)")
     return "\n".join(lines)
 

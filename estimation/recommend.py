@@ -28,13 +28,12 @@ import time
 
 from titanlite.config import ConfigError, load_config, to_toml
 from titanlite.config.manager import check_combination, set_key
-from titanlite.hardware import GPUS_PER_NODE
 from titanlite.models import get_model_args
 from titanlite.optim import fitting_warmup
 from titanlite.parallel.modes import MODES
 
 from estimation.estimate import GIB, _Fits, floor_bytes, headroom, size, usable_bytes, what_could_fit
-from estimation.hardware import auto_attention, get_hardware
+from estimation.hardware import GPUS_PER_NODE, auto_attention, get_hardware, gpus_per_node, on_nodes
 from estimation.throughput import assumptions, predict
 from estimation.tracker import PhaseWork
 
@@ -66,8 +65,6 @@ class Knobs:
                "optimizer.moments_dtype": "bfloat16" if self.bf16_moments else "float32"}
         if self.mode != "none":
             out["parallelism.data_parallel"] = self.mode
-        if self.mode == "hsdp":  # sharded inside a node, replicated across nodes
-            out.update({"parallelism.shard_degree": GPUS_PER_NODE, "parallelism.replicate_degree": -1})
         return out
 
     @property
@@ -116,7 +113,8 @@ def target_sequences(cfg) -> int:
 
 def classes(cfg, world: int, hw) -> list[Knobs]:
     """Every class the GPU and the mode records allow, without activation checkpointing first."""
-    modes = ["none"] if world == 1 else ["ddp", "zero1", "fsdp"] + (["hsdp"] if world > GPUS_PER_NODE else [])
+    node = gpus_per_node(cfg.estimate)  # hsdp: sharded inside a node, replicated across whole nodes
+    modes = ["none"] if world == 1 else ["ddp", "zero1", "fsdp"] + (["hsdp"] if world > node and not world % node else [])
     out = []
     opt_in = cfg.estimate.recommend_opt_in
     for mode, f8, (bf16p, bf16m) in itertools.product(
@@ -137,6 +135,7 @@ def _config(cfg, knobs: Knobs, local: int, accum: int, world: int, cuda_graphs: 
                        "training.global_batch_size": local * accum * world, "training.cuda_graphs": cuda_graphs}.items():
         set_key(c, key, value)
     c.estimate.recommend = False
+    c = on_nodes(c, world)  # hsdp's shard degree: the node
     check_combination(c, world)
     return c
 
@@ -291,13 +290,17 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def launch_line(world: int, path: str) -> str:
-    """How to run the written file: run_train.sh (config check, allocator setting) with its processes."""
-    nodes = -(-world // GPUS_PER_NODE)
+def launch_line(world: int, path: str, node: int = GPUS_PER_NODE) -> str:
+    """How to run the written file: run_train.sh (config check, allocator setting) with its processes,
+    on nodes of `node` GPUs; several nodes through the SLURM batch script, or run_train.sh on each."""
+    nodes = -(-world // node)
     if world == 1:
         return f"./run_train.sh --job.config_file {path}"
-    rdzv = f'TORCHRUN_ARGS="--nnodes {nodes} --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500" ' if nodes > 1 else ""
-    return f"NGPU={world // nodes} {rdzv}./run_train.sh --job.config_file {path}"
+    if nodes == 1:
+        return f"NGPU={world} ./run_train.sh --job.config_file {path}"
+    rdzv = f'TORCHRUN_ARGS="--nnodes {nodes} --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500"'
+    return (f"sbatch --nodes {nodes} --gpus-per-node {world // nodes} scripts/slurm/train.sbatch --job.config_file "
+            f"{path}; without SLURM, on each node: NGPU={world // nodes} {rdzv} ./run_train.sh --job.config_file {path}")
 
 
 def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
@@ -313,7 +316,7 @@ def write_toml(cfg, c: Candidate, world: int, path: str) -> str:
               + "".join(f"# {t}\n" for t in c.trade_offs())
               + f"# schedule: warm-up {s.warmup_steps} of {steps} steps, then {s.decay_type} decay to "
                 f"{s.min_lr_factor:g} x the peak lr\n"
-              + f"# launch: {launch_line(world, path)}\n")
+              + f"# launch: {launch_line(world, path, gpus_per_node(cfg.estimate))}\n")
     # every setting written out, so the file says what runs; a config file does not name another one
     body = "\n".join(line for line in to_toml(best).splitlines() if not line.startswith("config_file ="))
     with open(path + ".tmp", "w") as fh:

@@ -10,9 +10,14 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
   optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
   gaps         kernels x gap_us, the GPU's idle time between dependent kernels
 and never less than the host's launch time (kernels x launch_us). Collectives cost ring traffic /
-(link bandwidth x link_efficiency). Without overlap a step is compute + communication; with overlap
-the collectives hide behind forward/backward compute except the first all-gather and the last
-gradient reduction, which have nothing to hide behind, and the optimizer phase's collectives. A
+(bandwidth x link_efficiency), over the links they cross: a group whose ranks are on one node runs on
+the GPU's link (titanlite.hardware); a group spanning nodes is bounded by the slower of that link and
+the network its ranks on one node share (NCCL's rings spread over the node's NICs: ranks x
+estimate.inter_node_gbps), and pays a latency per step of its ring, or tree for an all-reduce (not
+charged inside one node, where whole-step fits cover it). Without overlap a step is compute +
+communication; with overlap the collectives hide behind forward/backward compute except the first
+all-gather and the last gradient reduction, which have nothing to hide behind, and the optimizer
+phase's collectives. A
 hidden collective is not free: its kernels take SMs and memory bandwidth from the compute beside
 it, which runs longer by the collective's hidden time x a measured rate per kind of collective
 (`beside_collectives` in calibration.json: all-reduce for ddp and zero1, gather and reduce-scatter
@@ -26,12 +31,14 @@ fraction of that GPU's peak; any `estimate.*_efficiency` / `estimate.launch_us` 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from titanlite.models.args import mfu_pct
 
-from estimation.hardware import GPUS_PER_NODE, INTER_NODE_GBPS, Hardware
+from estimation.hardware import GPUS_PER_NODE, Hardware, gpus_per_node
 
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
@@ -58,6 +65,9 @@ class Assumptions:
     link_efficiency: float
     launch_us: float
     gap_us: float = 0.0
+    # nodes: GPUs per node, and the network between them per GPU (GB/s each way)
+    gpus_per_node: int = GPUS_PER_NODE
+    network_gbps: float = 50.0
     # kind of collective -> ms of extra compute per ms of that collective hidden behind compute
     beside_collectives: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
@@ -70,7 +80,6 @@ def load_calibration(path: str = CALIBRATION) -> dict:
 
 def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibration: dict | None = None) -> Assumptions:
     cal = calibration or load_calibration()
-    link = hw.link_gbps if world <= GPUS_PER_NODE else min(hw.link_gbps, INTER_NODE_GBPS)
     rates, sources = {}, {}
     for name in RATES:
         override = getattr(est, name, 0.0)
@@ -82,8 +91,9 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
     beside = {}
     for kind, entry in cal.get("beside_collectives", {}).items():
         beside[kind], sources[f"beside_{kind}"] = _beside_rate(entry, hw.key)
-    return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=link,
+    return Assumptions(peak_tflops=hw.peak_tflops, hbm_tbps=hw.hbm_tbps, link_gbps=hw.link_gbps,
                        attention_backend=attention_backend, attention_efficiency=attention, sources=sources,
+                       gpus_per_node=gpus_per_node(est), network_gbps=est.inter_node_gbps / 8,
                        beside_collectives=beside, **rates)
 
 
@@ -113,6 +123,42 @@ def _source(entry: dict) -> str:
     return f"{entry['source']} ({entry['date']})" if entry.get("date") else entry["source"]
 
 
+# Latency of a collective across nodes, in microseconds: per call, and per step of its ring or tree over
+# NVLink and over the network. Assumed, of the order NCCL's own tuning model takes for large messages;
+# not measured here.
+LATENCY_US = {"call": 8.0, "nvlink": 3.0, "network": 10.0}
+
+
+def span(ranks, per_node: int) -> tuple[int, int]:
+    """(nodes a group's ranks are on, the most of them on one node); torchrun numbers ranks node by node."""
+    counts = Counter(r // per_node for r in ranks)
+    return len(counts), max(counts.values())
+
+
+def collective_seconds(c, a: Assumptions) -> float:
+    """One collective's time: its ring traffic over the links it crosses, plus latency across nodes.
+
+    Inside one node: the GPU's link. Across nodes NCCL runs several rings (or trees) at once, each leaving
+    the node through another NIC, so a node's ranks in the group share their NICs' bandwidth: the group
+    is bounded by min(link, ranks per node x network per GPU), e.g. fsdp over 2 x 8 GPUs by 8 NICs, hsdp's
+    replicate all-reduce (one rank per node) by one. Latency: a ring's steps (n - 1, twice for an
+    all-reduce), of which one per node boundary crosses the network; an all-reduce takes the lesser of
+    that and a tree's (up and down: the ranks of a node in a chain, the nodes in a binary tree)."""
+    nodes, local = span(c.ranks, a.gpus_per_node)
+    if nodes == 1:
+        return c.moved / (a.link_gbps * 1e9 * a.link_efficiency)
+    bandwidth = min(a.link_gbps, local * a.network_gbps) * 1e9 * a.link_efficiency
+    lat, n = LATENCY_US, len(c.ranks)
+
+    def steps(nvlink, network):
+        return nvlink * lat["nvlink"] + network * lat["network"]
+
+    ring = steps(n - nodes, nodes - 1)
+    if c.op in ("allreduce_", "allreduce_coalesced_"):
+        ring = min(2 * ring, 2 * steps(local - 1, math.ceil(math.log2(nodes))))
+    return c.moved / bandwidth + (lat["call"] + ring) * 1e-6
+
+
 def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
     """Seconds per term for one phase's work."""
     peak, hbm = a.peak_tflops * 1e12, a.hbm_tbps * 1e12
@@ -125,7 +171,7 @@ def _phase_times(w, a: Assumptions, optimizer: bool) -> dict[str, float]:
     }
     t["gaps"] = w.ops * a.gap_us * 1e-6  # the GPU idles between dependent kernels
     t["launch"] = max(0.0, w.ops * a.launch_us * 1e-6 - sum(t.values()))  # only what the GPU cannot hide
-    comms = [(name, moved / (a.link_gbps * 1e9 * a.link_efficiency)) for name, moved, n in w.collectives if n > 1]
+    comms = [(c.op, collective_seconds(c, a)) for c in w.collectives if len(c.ranks) > 1]
     t["comm"] = sum(c for _, c in comms)
     t["comm_edges"] = (comms[0][1] if comms else 0.0, comms[-1][1] if comms else 0.0)
     # what hiding all of this phase's collectives would add to the compute beside them
@@ -145,7 +191,7 @@ def work_totals(work: dict, accum: int) -> dict:
         out["optimizer_bytes" if phase == "opt" else "elementwise_bytes"] += n * w.memory_bytes
         out["fused_bytes"] += n * w.fused_bytes
         out["kernels"] += n * w.ops
-        out["comm_bytes"] += n * sum(moved for _, moved, g in w.collectives if g > 1)
+        out["comm_bytes"] += n * sum(c.moved for c in w.collectives if len(c.ranks) > 1)
     return out
 
 
@@ -179,7 +225,10 @@ def predict(work: dict, a: Assumptions, accum: int, tokens_per_step: int, flops_
             edges += last if phase == "bwd_last" else 0.0
     no_overlap = compute_fb + comm_fb + compute_opt + comm_opt
     hidden_comm = max(0.0, comm_fb - edges)
-    beside = beside_all * hidden_comm / comm_fb if comm_fb else 0.0  # only the hidden share slows the compute
+    # only the share of the collectives that runs beside compute slows it: the hidden share, and of that no
+    # more than the compute's own length (a collective longer than the compute, on a slow network, spends
+    # the rest beside nothing)
+    beside = beside_all * min(hidden_comm, compute_fb) / comm_fb if comm_fb else 0.0
     overlap = max(compute_fb + beside, hidden_comm) + min(edges, comm_fb) + compute_opt + comm_opt
     terms["comm_exposed"] = max(0.0, overlap - compute_fb - beside - compute_opt)
     terms["comm_beside"] = beside

@@ -16,6 +16,7 @@ import contextlib
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
@@ -90,7 +91,15 @@ class PhaseWork:
     memory_bytes: float = 0.0       # bytes read + written by every other eager op
     fused_bytes: float = 0.0        # compiled graphs' generated kernels' traffic (estimation.compiled._traffic)
     ops: int = 0                    # kernels launched
-    collectives: list = field(default_factory=list)  # (op name, bytes moved per rank by a ring, group size)
+    collectives: list = field(default_factory=list)  # Collective records, in the order they ran
+
+
+class Collective(NamedTuple):
+    """One collective a phase ran: the c10d op, the bytes a ring moves per rank, and the global ranks of
+    its process group (which nodes it spans decides the links it crosses: estimation.throughput)."""
+    op: str
+    moved: float
+    ranks: tuple
 
 
 def _sharding_propagator():
@@ -307,10 +316,11 @@ class StepTracker(TorchDispatchMode):
         tensors = buf if isinstance(buf, (list, tuple)) else [buf]
         tensors = [x for t in tensors for x in (t if isinstance(t, (list, tuple)) else [t])]
         self.label(tensors, "comm_buffers")
-        n = _group_size(args)
+        ranks = _group_ranks(args)
+        n = len(ranks)
         moved = factor * (n - 1) / n * sum(nbytes(t) for t in tensors) if name != "broadcast_" else \
             sum(nbytes(t) for t in tensors)
-        self.work[self.phase].collectives.append((name, moved, n))
+        self.work[self.phase].collectives.append(Collective(name, moved, ranks))
 
     def _work(self, func, name: str, args, kwargs, outs) -> None:
         w = self.work[self.phase]
@@ -338,17 +348,18 @@ class StepTracker(TorchDispatchMode):
         w.ops += 1
 
 
-def _group_size(args) -> int:
-    """Ranks in the collective's process group (passed boxed as a ScriptObject)."""
+def _group_ranks(args) -> tuple:
+    """The global ranks of the collective's process group (passed boxed as a ScriptObject)."""
     import torch.distributed as dist
 
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(a).size()
-            except Exception:
-                break
-    return dist.get_world_size() if dist.is_initialized() else 1
+                group = dist.ProcessGroup.unbox(a)
+            except RuntimeError:  # another boxed argument (a ReduceOp)
+                continue
+            return tuple(dist.get_process_group_ranks(group))
+    return tuple(range(dist.get_world_size() if dist.is_initialized() else 1))
 
 
 def _mutated(func, args, kwargs) -> list:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Beyond one node collectives cross the network: 400 Gb/s InfiniBand per GPU is the usual fabric.
+# GPUs one node holds, the GPUs NVLink (or the node's PCIe) joins: an HGX/DGX board. Beyond it collectives
+# cross the network, whose bandwidth is estimation's setting (estimate.inter_node_gbps).
 GPUS_PER_NODE = 8
-INTER_NODE_GBPS = 50.0
 
 
 @dataclass(frozen=True)

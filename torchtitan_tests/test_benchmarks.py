@@ -442,7 +442,14 @@ def test_accum_numerics_final_loss_is_the_held_out_loss_after_the_last_step():
                                           ("accum_numerics.py", ["--local", "0"]),
                                           ("accum_numerics.py", ["--shared-gpu"]),
                                           ("accum_numerics.py", ["--parallel", "-1"]),
-                                          ("accum_numerics.py", ["--combine", "/no/such/folder"])])
+                                          ("accum_numerics.py", ["--combine", "/no/such/folder"]),
+                                          ("multinode.py", ["--modes", "fsdp,zero2"]),
+                                          ("multinode.py", ["--layouts", "one,three"]),
+                                          ("multinode.py", ["--debug", "--ngpus", "3"]),
+                                          ("multinode.py", ["--steps", "5", "--skip", "10"]),
+                                          ("estimation_nodes.py", ["--gpus", "16,12"]),
+                                          ("estimation_nodes.py", ["--flavors", "70B"]),
+                                          ("collectives.py", [])])
 def test_new_scripts_refuse_bad_input_in_one_line(script, argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -532,3 +539,56 @@ def test_every_master_adamw_kernel_counts_as_optimizer(tmp_path):
     names = [v.__name__ for v in vars(kernels).values() if isinstance(v, triton.runtime.jit.JITFunction)]
     launched = [n for n in names if n.endswith("_kernel")]  # the launched ones; the rest are inlined helpers
     assert launched and kernel_terms(tmp_path, dict.fromkeys(launched, 1.0)) == {"optimizer": float(len(launched))}
+
+
+# ------------------------------------------------------------------------------------- multinode.py
+def test_nodes_split_the_gpus_and_a_failed_node_stops_the_other(tmp_path, monkeypatch):
+    """Each agent standing for a node sees its own GPUs and meets the others at one endpoint; when one
+    fails, the others are ended after the grace period instead of waiting for it until the timeout."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    agents = launch.node_commands(2, 2, ["-m", "titanlite.train"], "job")
+    assert [env for _, env in agents] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert agents[0][0] == agents[1][0] and "--nnodes=2" in agents[0][0] and "--nproc-per-node=2" in agents[0][0]
+    agents = [(["bash", "-c", "echo $CUDA_VISIBLE_DEVICES; exit 3"], {"CUDA_VISIBLE_DEVICES": "4,5"}),
+              (["bash", "-c", "echo $CUDA_VISIBLE_DEVICES $NCCL_P2P_DISABLE; sleep 60"], {"CUDA_VISIBLE_DEVICES": "6,7"})]
+    rc, text, wall = launch.execute_nodes("pair", agents, 120, work=tmp_path, env={"NCCL_P2P_DISABLE": "1"}, grace=1)
+    assert rc == 3 and wall < 30
+    assert [ln for ln in text.splitlines() if ln] == ["== node 0 ==", "4,5", "== node 1 ==", "6,7 1"]
+
+
+@pytest.mark.slow
+def test_multinode_two_nodes_against_one_node_on_cpu(tmp_path):
+    """The script end to end on CPU (gloo, the debug model): fsdp as one node of 2, two nodes of 1 and
+    two nodes over sockets, the collectives' bandwidth and the estimate given it. On CPU the two-node
+    losses equal the one-node run's at every step."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--debug", "--ngpus", "2",
+                        "--modes", "fsdp", "--layouts", "one,two,sockets", "--steps", "3", "--skip", "1",
+                        "--log-freq", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    data = json.loads((tmp_path / "multinode.json").read_text())
+    rows = {x["layout"]: x for x in data["rows"]}
+    assert sorted(rows) == ["one", "sockets", "two"] and all(x["tps_gpu"] > 0 for x in rows.values())
+    for layout in ("two", "sockets"):
+        assert rows[layout]["vs_one"]["step1_equal"] and rows[layout]["vs_one"]["max_diff"] == 0.0
+    assert {op: len(v) for op, v in data["bandwidth"]["ops"].items()} == {"all_gather": 2, "all_reduce": 2,
+                                                                          "reduce_scatter": 2}
+    (v,) = data["validation"]
+    assert v["busbw_gbps"] > 0 and v["predicted"] > 0 and "--estimate.gpus_per_node 1" in v["estimate"]
+    table = (tmp_path / "multinode.md").read_text()
+    assert "| fsdp | 2 nodes x 1, sockets |" in table and "| mode, sockets | bus bandwidth used, GB/s |" in table
+
+
+@pytest.mark.slow
+def test_multinode_resume_across_world_sizes_on_cpu(tmp_path):
+    """--resume on CPU: 2 nodes x 1 -> 1 process and back, each resumed run equal to its uninterrupted
+    one, the resharding and the stream position said by the resumed runs."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--debug", "--ngpus", "2",
+                        "--resume", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    data = json.loads((tmp_path / "multinode_resume.json").read_text())
+    assert data["ok"] and data["spread"] == 0.0
+    table = (tmp_path / "multinode_resume.md").read_text()
+    assert "data stream at position 20): 2 -> 1 True, 1 -> 2 True" in table
+    assert "| 6 | " in table and "| 10 | " in table

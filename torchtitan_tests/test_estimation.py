@@ -246,12 +246,12 @@ def test_fit_is_the_usable_memory_and_the_headroom_only_comfort():
 
 def test_throughput_model_consistency():
     from estimation.throughput import Assumptions, predict
-    from estimation.tracker import PhaseWork
+    from estimation.tracker import Collective, PhaseWork
 
     a = Assumptions(peak_tflops=1000, hbm_tbps=2.0, link_gbps=100, attention_backend="sdpa_cudnn",
                     attention_efficiency=0.25, gemm_efficiency=0.5, float8_efficiency=0.5, elementwise_efficiency=0.5,
                     fused_efficiency=0.5, optimizer_efficiency=0.5, link_efficiency=1.0, launch_us=0.0)
-    coll = [("_allgather_base_", 1e9, 8)] * 4  # 10 ms each at 100 GB/s
+    coll = [Collective("_allgather_base_", 1e9, tuple(range(8)))] * 4  # 10 ms each at 100 GB/s, inside a node
     work = {"fwd_last": PhaseWork(matmul_flops=5e12, collectives=coll),        # 10 ms of matmul
             "bwd_last": PhaseWork(matmul_flops=10e12, attention_flops=2.5e12, collectives=coll),  # 20 + 10
             "opt": PhaseWork(memory_bytes=10e9)}                                 # 10 ms memory-bound
@@ -390,7 +390,7 @@ def test_ddp_all_reduces_each_bucket_beside_the_backward(extra):
         run.close()
     colls = [c for w in work.values() for c in w.collectives]
     assert colls == work["bwd_last"].collectives  # every gradient all-reduce in the backward
-    assert {name for name, _, _ in colls} == {"allreduce_"} and all(n == 2 for _, _, n in colls)
+    assert {name for name, _, _ in colls} == {"allreduce_"} and all(ranks == (0, 1) for _, _, ranks in colls)
     moved = [b for _, b, _ in colls]  # two ranks: a ring all-reduce moves the bucket's bytes once
     n = sum(p.numel() for p in params)
     assert sum(moved) == pytest.approx(4 * n)  # fp32 gradients, each in one bucket
@@ -509,7 +509,7 @@ def test_hidden_collectives_slow_the_compute_beside_them():
     kind: all-reduce, or gather and reduce-scatter); a run with no collective is unchanged, and a zero
     rate gives the plain overlap model."""
     from estimation.throughput import Assumptions, predict
-    from estimation.tracker import PhaseWork
+    from estimation.tracker import Collective, PhaseWork
 
     def work(collectives):
         w = {p: PhaseWork() for p in ("fwd_last", "bwd_last", "opt")}
@@ -522,13 +522,13 @@ def test_hidden_collectives_slow_the_compute_beside_them():
                     gemm_efficiency=1, float8_efficiency=1, elementwise_efficiency=1, fused_efficiency=1,
                     optimizer_efficiency=1, link_efficiency=1, launch_us=0,
                     beside_collectives={"all_reduce": 0.5, "sharded": 0.25})
-    ring = [("allreduce_", 1e8, 2)] * 3  # 1 ms each on 100 GB/s: the last one stays exposed
+    ring = [Collective("allreduce_", 1e8, (0, 1))] * 3  # 1 ms each on 100 GB/s: the last one stays exposed
     plain = predict(work([]), a, 1, 1000, 1.0, 1)["overlap"]["step_ms"]
     assert plain == pytest.approx(2.0)  # 2 TFLOP at 1000 TFLOP/s
     step = predict(work(ring), a, 1, 1000, 1.0, 2)
     assert step["terms_ms"]["comm_beside"] == pytest.approx(0.5 * 2.0)  # two hidden ms at 0.5
     assert step["overlap"]["step_ms"] == pytest.approx(2.0 + 1.0 + 1.0)  # compute, slowdown, the exposed last
-    sharded = predict(work([("_reduce_scatter_base_", 1e8, 2)] * 3), a, 1, 1000, 1.0, 2)
+    sharded = predict(work([Collective("_reduce_scatter_base_", 1e8, (0, 1))] * 3), a, 1, 1000, 1.0, 2)
     assert sharded["terms_ms"]["comm_beside"] == pytest.approx(0.25 * 2.0)
     a.beside_collectives = {}
     assert predict(work(ring), a, 1, 1000, 1.0, 2)["overlap"]["step_ms"] == pytest.approx(3.0)
@@ -634,3 +634,115 @@ def test_estimation_imports_no_private_name_of_titanlite():
                 private += [f"{path.name}: {a.name}" for a in node.names
                             if a.name.startswith("titanlite") and any(p.startswith("_") for p in a.name.split("."))]
     assert private == []
+# ------------------------------------------------------------------------------------ several nodes
+def _network_assumptions(**kw):
+    from estimation.throughput import Assumptions
+
+    return Assumptions(**{**dict(peak_tflops=1000, hbm_tbps=1, link_gbps=450, attention_backend="sdpa",
+                                 attention_efficiency=1, gemm_efficiency=1, float8_efficiency=1, elementwise_efficiency=1,
+                                 fused_efficiency=1, optimizer_efficiency=1, link_efficiency=1, launch_us=0,
+                                 gpus_per_node=8, network_gbps=50), **kw})
+
+
+def test_collectives_cross_the_links_their_ranks_span():
+    """Inside a node: the GPU's link, no latency. Across nodes: the slower of that link and the NICs of
+    the group's ranks on one node, plus the latency of a ring's steps (a tree's where an all-reduce's is
+    less): fsdp over 2 x 8 GPUs shares 8 NICs (400 GB/s < NVLink's 450), hsdp's replicate all-reduce
+    (one rank a node) has one NIC's 50 GB/s."""
+    from estimation.throughput import LATENCY_US, collective_seconds
+    from estimation.tracker import Collective
+
+    a, gb = _network_assumptions(), 1e9
+    lat = lambda nvlink, network: (LATENCY_US["call"] + nvlink * LATENCY_US["nvlink"]
+                                   + network * LATENCY_US["network"]) * 1e-6
+    assert collective_seconds(Collective("_allgather_base_", gb, tuple(range(8))), a) == pytest.approx(gb / 450e9)
+    assert collective_seconds(Collective("_allgather_base_", gb, tuple(range(8, 16))), a) == pytest.approx(gb / 450e9)
+    # 16 ranks on 2 nodes: a ring of 15 steps, one of them over the network
+    assert collective_seconds(Collective("_reduce_scatter_base_", gb, tuple(range(16))), a) == pytest.approx(
+        gb / 400e9 + lat(14, 1))
+    # hsdp's replicate group: rank 0 of each of 2 nodes; ring and tree both cross the network twice
+    assert collective_seconds(Collective("allreduce_", gb, (0, 8)), a) == pytest.approx(gb / 50e9 + lat(0, 2))
+    # 32 nodes of 8: an all-reduce takes the tree (2 x (7 NVLink + 5 network) steps), not the ring's 2 x 255
+    assert collective_seconds(Collective("allreduce_", gb, tuple(range(256))), a) == pytest.approx(
+        gb / 400e9 + lat(14, 10))
+    assert collective_seconds(Collective("_allgather_base_", gb, tuple(range(256))), a) == pytest.approx(
+        gb / 400e9 + lat(224, 31))
+    # nodes of 1 GPU (item: two "nodes" on one host): every collective is on the network
+    one = _network_assumptions(gpus_per_node=1, network_gbps=5)  # link 450: min(450, 1 x 5)
+    assert collective_seconds(Collective("allreduce_", gb, (0, 1)), one) == pytest.approx(gb / 5e9 + lat(0, 2))
+
+
+def test_hsdp_estimate_shards_inside_the_node_and_all_reduces_across():
+    """hsdp over 16 GPUs on nodes of 8 (the training run's LOCAL_WORLD_SIZE): the fake run's gathers and
+    reduce-scatters are over the rank's node, its gradient all-reduces over one rank of each node (the
+    clip's norm, summed over the shards, stays in the node)."""
+    from estimation.fake_run import FakeRun
+    from estimation.hardware import on_nodes
+
+    cfg = on_nodes(_cfg("--parallelism.data_parallel", "hsdp", "--estimate.ngpu", "16"), 16)
+    assert (cfg.parallelism.replicate_degree, cfg.parallelism.shard_degree) == (-1, 8)
+    run = FakeRun(cfg, 16)
+    try:
+        work = run.step(2).work
+    finally:
+        run.close()
+    groups = {(phase, c.op, c.ranks) for phase, w in work.items() for c in w.collectives}
+    node, across = tuple(range(8)), (0, 8)
+    assert {(op, ranks) for phase, op, ranks in groups if phase == "bwd_last" and "allreduce" in op} == {
+        ("allreduce_", across)}  # the gradient shards, over the replicas
+    assert {ranks for phase, op, ranks in groups if "allreduce" not in op} == {node}  # gathers, reduce-scatters
+    assert {(op, ranks) for phase, op, ranks in groups if phase == "opt"} == {("allreduce_", node)}  # the norm
+    assert on_nodes(_cfg("--parallelism.data_parallel", "hsdp"), 12).parallelism.shard_degree == -1  # not whole nodes
+
+
+def _estimate(*extra):
+    from estimation.estimate import estimate
+
+    return estimate(_cfg("--estimate.search=false", "--compile.enable=false", *extra), progress=lambda m: None)
+
+
+def test_the_network_is_charged_only_above_one_node():
+    """fsdp on 2 ranks: on one node the network setting changes nothing; on nodes of one GPU each
+    collective runs at the network's bandwidth, so their transfer takes as much longer as the network is
+    slower than NVLink (a network half as fast doubles it), plus a latency each."""
+    one_node = [_estimate("--estimate.ngpu", "2", "--parallelism.data_parallel", "fsdp", "--estimate.inter_node_gbps",
+                          g)["throughput"]["terms_ms"]["comm_total"] for g in ("400", "4")]
+    assert one_node[0] == one_node[1]
+    two = {g: _estimate("--estimate.ngpu", "2", "--parallelism.data_parallel", "fsdp", "--estimate.gpus_per_node", "1",
+                        "--estimate.inter_node_gbps", g) for g in ("80", "40")}
+    comm = {g: r["throughput"]["terms_ms"]["comm_total"] for g, r in two.items()}
+    transfer = comm["40"] - comm["80"]  # half the bandwidth: the transfer time again; the latency the same
+    assert transfer == pytest.approx(one_node[0] * 450 / 10)  # 10 GB/s against NVLink's 450
+    assert 0 < comm["80"] - transfer < 0.1 * comm["80"]  # each collective's latency: the debug model's are small
+    r = two["80"]
+    assert r["config"]["gpus_per_node"] == 1 and r["config"]["inter_node_gbps"] == 80
+    assert r["throughput"]["overlap"]["step_ms"] < two["40"]["throughput"]["overlap"]["step_ms"]
+
+
+def test_recommend_weighs_hsdp_against_fsdp_on_whole_nodes():
+    """hsdp is a candidate above one node when the GPUs fill whole nodes, sharded inside the node."""
+    from estimation.hardware import get_hardware
+    from estimation.recommend import Knobs, _config, classes
+
+    h100 = get_hardware("h100")
+    modes = lambda world, *extra: {k.mode for k in classes(_cfg(*extra), world, h100)}
+    assert modes(8) == {"ddp", "zero1", "fsdp"}
+    assert modes(16) == {"ddp", "zero1", "fsdp", "hsdp"}
+    assert modes(12) == {"ddp", "zero1", "fsdp"}
+    assert modes(12, "--estimate.gpus_per_node", "4") == {"ddp", "zero1", "fsdp", "hsdp"}
+    c = _config(_cfg("--estimate.gpus_per_node", "4"), Knobs("hsdp", "none", False, False, False), 1, 1, 12)
+    assert (c.parallelism.replicate_degree, c.parallelism.shard_degree) == (-1, 4)
+
+
+def test_collectives_longer_than_the_compute_slow_only_the_compute_beside_them():
+    """On a slow network the collectives outlast the compute they hide behind: only the compute's length
+    of them runs beside it, so the slowdown is the rate x that, not x the whole collective time."""
+    from estimation.throughput import predict
+    from estimation.tracker import Collective, PhaseWork
+
+    a = _network_assumptions(gpus_per_node=1, network_gbps=0.1, beside_collectives={"all_reduce": 0.5})
+    work = {p: PhaseWork() for p in ("fwd_last", "bwd_last", "opt")}
+    work["fwd_last"].matmul_flops = work["bwd_last"].matmul_flops = 1e12  # 1 ms each at 1000 TFLOP/s
+    work["bwd_last"].collectives = [Collective("allreduce_", 1e6, (0, 1))] * 3  # 10 ms each at 0.1 GB/s
+    t = predict(work, a, 1, 1000, 1.0, 2)["terms_ms"]
+    assert t["comm_total"] > 30 and t["comm_beside"] == pytest.approx(0.5 * 2.0)  # 2 ms of compute beside them

@@ -274,8 +274,11 @@ def test_recommended_launch_goes_through_run_train_sh():
 
     assert launch_line(1, "b.toml") == "./run_train.sh --job.config_file b.toml"
     assert launch_line(8, "b.toml") == "NGPU=8 ./run_train.sh --job.config_file b.toml"
-    assert launch_line(16, "b.toml") == ('NGPU=8 TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d '
-                                         '--rdzv-endpoint HOST:29500" ./run_train.sh --job.config_file b.toml')
+    assert launch_line(16, "b.toml") == (
+        "sbatch --nodes 2 --gpus-per-node 8 scripts/slurm/train.sbatch --job.config_file b.toml; without SLURM, on "
+        'each node: NGPU=8 TORCHRUN_ARGS="--nnodes 2 --node-rank R --rdzv-backend c10d --rdzv-endpoint HOST:29500" '
+        "./run_train.sh --job.config_file b.toml")
+    assert launch_line(16, "b.toml", node=4).startswith("sbatch --nodes 4 --gpus-per-node 4 ")
 
 
 def test_recommend_target_below_the_configured_local_batch():

@@ -257,6 +257,12 @@ class Estimate:
     link_efficiency: float = doc(0.0, "achieved fraction of link bandwidth in collectives (0 = calibrated)",
                                  min=0.0, max=1.0)
     gap_us: float = doc(0.0, "GPU idle time between kernels, per kernel, in microseconds (0 = calibrated)", min=0.0)
+    gpus_per_node: int = doc(0, "GPUs per node (those NVLink joins): a collective whose ranks are on one node runs on "
+                                "the GPU's link (titanlite/hardware.py), one whose ranks span nodes also crosses the "
+                                "network; hsdp shards inside a node; 0 = 8 (an HGX/DGX board)", min=0)
+    inter_node_gbps: float = doc(400.0, "network bandwidth between nodes per GPU, Gb/s each way (400: one NDR "
+                                        "InfiniBand NIC per GPU); a measured bus bandwidth can be given with "
+                                        "link_efficiency=1", min=0.001)
     launch_us: float = doc(0.0, "host time per kernel launch in microseconds (0 = calibrated)", min=0.0)
     recommend: bool = doc(False, "search local batch x accumulation, activation checkpointing, data-parallel mode, "
                                  "float8, bf16 parameters / moments and CUDA graphs for the target global batch; "
