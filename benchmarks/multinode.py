@@ -17,7 +17,9 @@ Layouts (LLaMA 1.36B at the peer's shapes, compile, synthetic tokens, `--steps` 
 
 The table gives, per mode and layout, tok/s/GPU (steady after --skip), peak memory, and the losses
 against the one-node run of the same mode: step 1 (same weights, same samples; 2 ranks' mean is the
-same sum either way) must be equal bit for bit; later steps within --tol, the spread GPU runs have by
+same sum either way) within --step1-tol: bit for bit on the CPU (gloo, the tests), within 1e-4 on GPUs,
+where each process picks its own kernels (Inductor benchmarks its generated kernels' launch configs,
+cuBLAS its algorithms), which sum in their own orders; later steps within --tol, the spread GPU runs have by
 themselves (nondeterministic kernels: two identical 1.36B runs differed by up to 5.4e-3 by step 10,
 docs/checkpoint.md) with hsdp's 2 x 1 against 1 x 2 also summing the clip's norm in another order.
 
@@ -60,16 +62,18 @@ def run(mode: str, layout: str, a, base: list[str]) -> launch.Result:
                             env=SOCKETS if layout == "sockets" else None)
 
 
-def compare(ref: launch.Result, other: launch.Result, tol: float) -> dict:
-    """Step 1 equal bit for bit; the largest difference over the later steps both logged, against `tol`."""
+def compare(ref: launch.Result, other: launch.Result, tol: float, step1_tol: float = 0.0) -> dict:
+    """Step 1's difference against `step1_tol`, the largest difference over the later steps both logged
+    against `tol`."""
     a, b = launch.step_losses(ref.entries), launch.step_losses(other.entries)
     common = sorted(set(a) & set(b))
     if not common or 1 not in common:
-        return {"step1_equal": None, "max_diff": None, "ok": False}
+        return {"step1_equal": None, "step1_diff": None, "max_diff": None, "ok": False}
     later = [abs(a[s] - b[s]) for s in common if s > 1]
     worst = max(later) if later else 0.0
-    return {"step1_equal": a[1] == b[1], "step1": [a[1], b[1]], "max_diff": worst, "steps": len(common),
-            "ok": a[1] == b[1] and worst <= tol}
+    step1 = abs(a[1] - b[1])
+    return {"step1_equal": a[1] == b[1], "step1": [a[1], b[1]], "step1_diff": step1, "max_diff": worst,
+            "steps": len(common), "ok": step1 <= step1_tol and worst <= tol}
 
 
 def bandwidth(a, work: Path) -> dict | None:
@@ -129,7 +133,7 @@ def throughput(a, base: list[str], out: Path) -> int:
         ref = done.get("one")
         for layout, r in done.items():
             f = r.figures(a.skip)
-            c = compare(ref, r, a.tol) if ref is not None and layout != "one" and not r.error else None
+            c = compare(ref, r, a.tol, a.step1_tol) if ref is not None and layout != "one" and not r.error else None
             if c is not None:
                 checks.append(c["ok"])
             rows.append({"mode": mode, "layout": layout, "error": r.error, **f, "vs_one": c})
@@ -155,14 +159,15 @@ def throughput(a, base: list[str], out: Path) -> int:
 def table(rows: list[dict], validation: list[dict], a) -> str:
     k = a.ngpus
     names = {"one": f"1 node x {k}", "two": f"2 nodes x {k // 2}", "sockets": f"2 nodes x {k // 2}, sockets"}
-    lines = [f"| mode | layout | tok/s/GPU | of one node | peak GiB (alloc / rsrvd) | step 1 loss equal | "
+    lines = [f"| mode | layout | tok/s/GPU | of one node | peak GiB (alloc / rsrvd) | step 1 loss diff (tol {a.step1_tol:g}) | "
              f"max loss diff, steps 2-{a.steps} (tol {a.tol:g}) |", "|---|---|---|---|---|---|---|"]
     for x in rows:
         if x["error"]:
             lines.append(f"| {x['mode']} | {names[x['layout']]} | {x['error']} | | | | |")
             continue
         c = x["vs_one"]
-        eq = "-" if c is None else {True: "yes", False: "NO", None: "no loss"}[c["step1_equal"]]
+        eq = ("-" if c is None else "no loss" if c["step1_diff"] is None else
+              "0 (bit for bit)" if c["step1_equal"] else f"{c['step1_diff']:.2e}")
         diff = "-" if c is None or c["max_diff"] is None else f"{c['max_diff']:.2e}" + ("" if c["ok"] else " (over)")
         lines.append(f"| {x['mode']} | {names[x['layout']]} | {launch.fmt(x.get('tps_gpu'), ',.0f')} | "
                      f"{launch.fmt(x.get('of_one'), '.3f')} | {launch.fmt(x.get('mem'), '.2f')} / "
@@ -249,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=10, help="log steps up to this one are warm-up")
     ap.add_argument("--log-freq", type=int, default=5)
     ap.add_argument("--tol", type=float, default=1e-2, help="largest loss difference after step 1")
+    ap.add_argument("--step1-tol", type=float, default=1e-3,
+                    help="largest difference of step 1's loss (GPU processes pick their own kernels; 0: bit for bit)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds before a run is killed")
     ap.add_argument("--resume", action="store_true", help="the world-size resume check instead")
     ap.add_argument("--debug", action="store_true", help="the debug model, no compile (a CPU check of the script)")

@@ -60,7 +60,7 @@ def test_whole_output_reads_without_flags(name):
     hw = lookup(log.hardware["name"])
     assert hw is not None and log.hardware["peak_tflops_per_gpu"] == pytest.approx(hw.peak_tflops, rel=0.01)
     steps = [e["iter"] for e in log.iterations]
-    assert steps == sorted(set(steps)) and len(steps) >= 3
+    assert steps == sorted(set(steps)) and len(steps) >= 2  # the real runs: 8 steps, logged at 1 and 5
     assert all(e["tokens_per_sec_per_gpu"] > 0 and e["memory_reserved_peak_gb"] > 0 for e in log.iterations)
 
 
