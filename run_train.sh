@@ -83,5 +83,5 @@ fi
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   exec "$PY" -m titanlite.launch --world-size 1 --command "$0" -- "${ARGS[@]}"
 fi
-exec "$PY" -m titanlite.launch --world-size $((NGPU * NNODES)) --command "$0" --nproc_per_node="$NGPU" \
+exec "$PY" -m titanlite.launch --world-size $((NGPU * NNODES)) --command "$0" --nodes "$NNODES" --nproc_per_node="$NGPU" \
   ${TORCHRUN_ARGS:---standalone} --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 -- "${ARGS[@]}"

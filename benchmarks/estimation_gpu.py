@@ -168,6 +168,7 @@ def worker(names: list[str], profiled: list[str], results_file: str) -> None:
     import torch
 
     from titanlite import train
+    from titanlite.errors import OUT_OF_MEMORY_EXIT
 
     done = {}
     for n in names:
@@ -183,7 +184,9 @@ def worker(names: list[str], profiled: list[str], results_file: str) -> None:
             entries = json.load(open(logs[-1]))["training_iterations"] if logs else []
             done[n] = figures_of(entries, folder, time.time() - t0, skip)
         except BaseException as e:  # noqa: BLE001 (a case that fails is recorded; the next one runs)
-            oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+            # train.main ends an out-of-memory run with its exit code (titanlite.errors.OUT_OF_MEMORY_EXIT)
+            oom = (isinstance(e, SystemExit) and e.code == OUT_OF_MEMORY_EXIT) or isinstance(e, torch.OutOfMemoryError) \
+                or "out of memory" in str(e).lower()
             done[n] = {"error": "oom" if oom else f"{type(e).__name__}: {e}"[:300]}
         gc.collect()
         torch._dynamo.reset()

@@ -34,6 +34,7 @@ Writes multinode.md and multinode.json (resume: multinode_resume.*) to --out; ex
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -238,8 +239,6 @@ def _option(argv: list[str], key: str) -> str:
 
 
 def _first_gpu() -> str:
-    import os
-
     return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
 
 

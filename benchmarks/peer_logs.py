@@ -1,7 +1,7 @@
 """torchtitan's own output from the peer runs of this machine, as diagnose's test fixtures.
 
 Run on the GPU machine after compare_peer.py (or anything that started torchtitan through
-launch.peer), in the same warm session, since the runs' outputs stay in launch.WORK:
+launch.peer), on the same machine before it is given back, since the runs' outputs stay in launch.WORK:
   python3 benchmarks/peer_logs.py --out $OUT
 
 For each torchtitan run in WORK that printed step lines it packs two files into

@@ -34,7 +34,7 @@ from titanlite.optim import build_optimizer, eager_master_adamw_update
 from titanlite.parallel.apply import parallelize
 from titanlite.parallel.ddp import ddp_wrapper
 from titanlite.parallel.dims import parallel_dims
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import computes_bf16, data_parallel_mode
 from titanlite.step import StepHooks, build_train_step

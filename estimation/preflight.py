@@ -21,7 +21,7 @@ import warnings
 
 from titanlite.config import ConfigError, data_parallel_mode, load_config
 
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 
 from estimation.estimate import estimate
 from estimation.hardware import get_hardware

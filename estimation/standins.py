@@ -147,6 +147,7 @@ class LazyChunks:
 def fsdp_chunks_on_demand():
     """While active, FSDP (fully_shard and its lazy init) chunks parameters with LazyChunks. A torch
     whose FSDP has no `_chunk_with_empty` is left as it is."""
+    # torch's private FSDP module, imported when a fake run is set up (its layout differs across releases)
     import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
 
     orig = getattr(fsdp_param, "_chunk_with_empty", None)

@@ -17,10 +17,11 @@ import time
 # [project.optional-dependencies] that installs it). A test holds this table to pyproject.toml.
 OPTIONAL = {"matplotlib": ("matplotlib", "plot"), "pyarrow": ("pyarrow", "parquet"), "wandb": ("wandb", "wandb")}
 
-# A run's exit codes besides 0 (README, "Exit codes"): 1 a failure shown with its traceback, or a
-# checkpoint that could not be saved; 2 bad input, or a run the memory check predicts cannot fit;
-# 3 a non-finite loss; 4 out of memory; 130 Ctrl-C.
-OUT_OF_MEMORY_EXIT = 4
+# A run's exit codes besides 0 (the README's table; 130 + Ctrl-C and 128 + N for a signal are the shell's)
+FAILURE_EXIT = 1        # a failure shown with its traceback, or a checkpoint that could not be saved
+BAD_INPUT_EXIT = 2      # bad input, or a run the memory check predicts cannot fit
+NON_FINITE_EXIT = 3     # a non-finite loss with training.on_nan=stop
+OUT_OF_MEMORY_EXIT = 4  # out of memory
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,8 @@ def require(module: str, needed_by: str):
         if (e.name or "").split(".")[0] != module.split(".")[0]:
             raise  # the package is there, and broken: its own error says more
         raise ConfigError(missing_package(module, needed_by)) from None
+
+
 def say_failure(line: str, exit_code: int, launch=None, same_on_every_rank: bool = False) -> None:
     """Say why this process stops, in one line (`line` starts with "error: "), before it exits with
     `exit_code`.
@@ -52,7 +55,7 @@ def say_failure(line: str, exit_code: int, launch=None, same_on_every_rank: bool
     the job and exits with its code, where torchrun would print one report per job (exit code 1) and
     every rank its own line; a torchrun started by hand shows the line in its report. A process on
     its own prints it, every rank of a process group started another way its own, or only rank 0 when
-    `same_on_every_rank`. `launch`: the process's titanlite.parallel.launch.Launch (its rank and torchrun's
+    `same_on_every_rank`. `launch`: the process's titanlite.parallel.launcher_env.Launch (its rank and torchrun's
     error file, read where the process started); None: a process on its own."""
     error_file = launch.error_file if launch is not None else None
     if error_file:

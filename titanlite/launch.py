@@ -1,4 +1,4 @@
-"""Start a training job: `python -m titanlite.launch --world-size W [--command C] [TORCHRUN OPTIONS] -- ARGS`.
+"""Start a training job: `python -m titanlite.launch --world-size W [--command C] [--nodes N] [TORCHRUN OPTIONS] -- ARGS`.
 
 What run_train.sh runs once it has chosen the processes (one process when no torchrun options come):
 1. The config check (`titanlite.config.check`): a bad option is one line and exit code 2 before any
@@ -26,7 +26,6 @@ import ctypes
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,10 +33,8 @@ import time
 
 from titanlite.config import ConfigError, run_cli
 from titanlite.config.check import check, world_size
-from titanlite.errors import OUT_OF_MEMORY_EXIT
+from titanlite.errors import BAD_INPUT_EXIT, OUT_OF_MEMORY_EXIT
 from titanlite.hardware import lookup
-
-BAD_INPUT_EXIT = 2
 
 
 def main(argv: list[str]) -> None:
@@ -45,22 +42,19 @@ def main(argv: list[str]) -> None:
     command = "./run_train.sh"  # how the job was started, for the command the memory check advises
     if argv[:1] == ["--command"] and len(argv) > 1:
         command, argv = argv[1], argv[2:]
+    n_nodes = 1  # run_train.sh's count of torchrun's --nnodes (the one reading of it)
+    if argv[:1] == ["--nodes"] and len(argv) > 1 and argv[1].isdigit() and int(argv[1]) >= 1:
+        n_nodes, argv = int(argv[1]), argv[2:]
     if "--" not in argv:
         raise ConfigError("titanlite.launch expects [TORCHRUN OPTIONS] -- TRAINING ARGUMENTS")
     torchrun_opts, train_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     cfg, found = check(train_args, world)
-    prediction = prediction_command(cfg, world, nodes(torchrun_opts), found or [], command, train_args)
+    prediction = prediction_command(cfg, world, n_nodes, found or [], command, train_args)
     if prediction is None:
         if torchrun_opts:
             sys.exit(agent(torchrun_opts, train_args))
         os.execv(sys.executable, train_command(train_args))
     sys.exit(supervise(Job(torchrun_opts, train_args), Prediction(prediction), cfg.training.memory_fit))
-
-
-def nodes(torchrun_opts: list[str]) -> int:
-    """The nodes torchrun's --nnodes names (the most of a range), 1 without it."""
-    m = re.search(r"--nnodes[= ](?:\d+:)?(\d+)", " ".join(torchrun_opts))
-    return int(m.group(1)) if m else 1
 
 
 def train_command(train_args: list[str]) -> list[str]:

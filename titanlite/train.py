@@ -30,7 +30,7 @@ from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, 
 from titanlite.config import ConfigError, JobConfig, load_config, parallel_settings, resolve_batch, run_cli
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
-from titanlite.errors import OUT_OF_MEMORY_EXIT, say_failure
+from titanlite.errors import BAD_INPUT_EXIT, FAILURE_EXIT, NON_FINITE_EXIT, OUT_OF_MEMORY_EXIT, say_failure
 from titanlite.hardware import peak_tflops
 from titanlite.metrics.profiler import StepProfiler
 from titanlite.metrics.reporter import Reporter, RunFacts
@@ -40,7 +40,7 @@ from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
 from titanlite.parallel.apply import parallelize
 from titanlite.parallel.dims import init_distributed
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.step import (CudaGraphStep, NonFiniteLossError, StepHooks, build_train_step, check_finite,
                             global_step_losses, validation_loss)
@@ -392,21 +392,21 @@ def exit_for(e: BaseException, launch: Launch, cfg: JobConfig | None = None,
     """What a failed run exits with: one line for a known failure (titanlite.errors.say_failure: once
     for the job), else the traceback printed once."""
     if isinstance(e, NonFiniteLossError):
-        say_failure(f"error: {e}", 3, launch)
-        return SystemExit(3)
+        say_failure(f"error: {e}", NON_FINITE_EXIT, launch)
+        return SystemExit(NON_FINITE_EXIT)
     if isinstance(e, CheckpointSaveError):  # every rank sees the same failure
-        say_failure(f"error: {e}", 1, launch, same_on_every_rank=True)
-        return SystemExit(1)
+        say_failure(f"error: {e}", FAILURE_EXIT, launch, same_on_every_rank=True)
+        return SystemExit(FAILURE_EXIT)
     if isinstance(e, ConfigError):
-        say_failure(f"error: {e}", 2, launch, same_on_every_rank=True)
-        return SystemExit(2)
+        say_failure(f"error: {e}", BAD_INPUT_EXIT, launch, same_on_every_rank=True)
+        return SystemExit(BAD_INPUT_EXIT)
     if isinstance(e, SystemExit):
         return e
     if cfg is not None and out_of_memory(e) is not None:
         say_failure(out_of_memory_line(e, cfg, launch, trainer), OUT_OF_MEMORY_EXIT, launch)
         return SystemExit(OUT_OF_MEMORY_EXIT)
     traceback.print_exc()
-    return SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1)
+    return SystemExit(130 if isinstance(e, KeyboardInterrupt) else FAILURE_EXIT)
 
 
 # Same-seed CPU runs are bit-identical whatever their thread count (torchrun gives each rank one
@@ -421,10 +421,24 @@ REPRODUCIBLE_CPU_MATH = {"MKL_CBWR": "AVX2,STRICT"}
 
 def start_process() -> Launch:
     """What a training process does first: MKL's reproducible mode (REPRODUCIBLE_CPU_MATH, where unset),
-    then the launcher's environment, read once (titanlite.parallel.launch.Launch) to be handed down."""
+    then the launcher's environment, read once (titanlite.parallel.launcher_env.Launch) to be handed down."""
     for name, value in REPRODUCIBLE_CPU_MATH.items():
         os.environ.setdefault(name, value)
     return Launch.from_environ()
+
+
+def graph_collectives(cfg: JobConfig, launch: Launch) -> None:
+    """torch's CUDA-graph notes: collectives captured in a graph need NCCL's asynchronous error handling
+    off. torchrun always sets it (to 1 unless told otherwise), so a run of several GPUs with
+    training.cuda_graphs sets it to 0 here, before the process group starts and reads it. The cost: a
+    hung collective then hangs instead of aborting after the timeout."""
+    if not (cfg.training.cuda_graphs and launch.world_size > 1 and torch.cuda.is_available()
+            and not cfg.debug.inject_shared_device) or os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+        return
+    if launch.is_main:
+        logger.info("training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
+                    "a hung collective will hang rather than abort)")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
 
 
 def out_of_memory(e: BaseException | None) -> torch.OutOfMemoryError | None:
@@ -452,7 +466,7 @@ def out_of_memory_line(e: BaseException, cfg: JobConfig, launch: Launch, trainer
         held = (f"peak {peak / gib:.1f} GiB allocated ({reserved / gib:.1f} reserved) of the GPU's "
                 f"{capacity / gib:.1f} GiB ({torch.cuda.get_device_name(device)})")
     else:  # the process's high-water mark in the host's memory
-        import resource
+        import resource  # Unix only, and only this path reads it
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -491,7 +505,12 @@ def main(argv: list[str]) -> None:
     launch = start_process()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     watch_launcher(launch)  # under torchrun: stop when the launcher dies
-    failure = run(load_config(argv, launch), launch)
+    try:
+        cfg = load_config(argv, launch)
+    except ConfigError as e:  # said as any failure of a rank is (once for the job under torchrun)
+        raise exit_for(e, launch) from None
+    graph_collectives(cfg, launch)
+    failure = run(cfg, launch)
     # The DDP wrapper went before its process group: one that outlives it can hang its rank while
     # the process exits (seen on gloo with 2 and 4 ranks).
     gc.collect()

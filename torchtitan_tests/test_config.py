@@ -7,7 +7,7 @@ import pytest
 
 from titanlite.config import ConfigError, load_config, resolve_batch, to_toml
 from titanlite.config.manager import help_text
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 
 from conftest import ROOT
 

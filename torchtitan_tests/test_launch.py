@@ -14,7 +14,7 @@ import torch
 
 from titanlite import launch
 from titanlite.config import load_config
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 
 from conftest import ROOT
 

@@ -23,7 +23,7 @@ import torch.utils._python_dispatch
 from titanlite.config import load_config
 from titanlite.ops.master_linear import MasterLinear, use_bf16_copy
 from titanlite.optim import MasterAdamW
-from titanlite.step import NO_HOOKS, StepHooks
+from titanlite.step import StepHooks
 from titanlite.train import Trainer
 
 from conftest import free_port, gloo_rank

@@ -165,7 +165,7 @@ def test_initial_weights_do_not_depend_on_the_techniques_applied(name):
     from titanlite.models import build_model, get_model_args
     from titanlite.parallel.apply import parallelize
     from titanlite.parallel.dims import parallel_dims
-    from titanlite.parallel.launch import Launch
+    from titanlite.parallel.launcher_env import Launch
 
     def build(*extra):
         settings = parallel_settings(load_config(["--model.name", name, *extra]))
@@ -229,7 +229,7 @@ def test_bad_selective_option_is_a_config_error(tmp_path):
 
 def test_hsdp_degrees_must_cover_the_world():
     from titanlite.config import parallel_settings
-    from titanlite.parallel.launch import Launch
+    from titanlite.parallel.launcher_env import Launch
     from titanlite.parallel.policy import hsdp_shape
 
     dp = lambda *args: parallel_settings(load_config(list(args))).data_parallel
@@ -253,7 +253,7 @@ def test_the_job_has_one_mesh_with_named_dims():
 
     from titanlite.config import parallel_settings
     from titanlite.parallel.dims import parallel_dims
-    from titanlite.parallel.launch import Launch
+    from titanlite.parallel.launcher_env import Launch
 
     def dims(mode, rank=5, **launch):
         dp = parallel_settings(load_config(["--parallelism.data_parallel", mode])).data_parallel

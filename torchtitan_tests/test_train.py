@@ -289,7 +289,7 @@ def alive(pid: int) -> bool:
 
 def test_launcher_watch_only_under_torchrun(monkeypatch):
     """A process started by a shell is not watched: a run under nohup must outlive its shell."""
-    from titanlite.parallel.launch import Launch
+    from titanlite.parallel.launcher_env import Launch
     from titanlite.parallel.launcher_watch import watch_launcher
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -299,7 +299,7 @@ def test_launcher_watch_only_under_torchrun(monkeypatch):
 def test_the_launchers_environment_is_read_once_into_a_record():
     """torchrun's variables become one typed record (what a process with none of them set is: one rank
     alone), which the entry points hand down."""
-    from titanlite.parallel.launch import Launch
+    from titanlite.parallel.launcher_env import Launch
 
     assert Launch.from_environ({}) == Launch(world_size=1, rank=0, local_rank=0, ranks_per_host=None, torchrun=False)
     got = Launch.from_environ({"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",

@@ -13,7 +13,11 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save
+from tokenizers import Tokenizer
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from titanlite.checkpoint.state_file import write_synced
 from titanlite.config import ConfigError
 from titanlite.models import MODEL_REGISTRY
 from titanlite.models.args import ModelArgs
@@ -142,10 +146,6 @@ def save_safetensors(state: dict[str, torch.Tensor], folder: Path, shard_bytes: 
     Each file is serialized in memory and written as the checkpoint's own files are (state_file), so
     it gets the umask's mode like every other file: safetensors' save_file (0.8) writes through a
     temporary file made for its owner alone (mode 0600) and renames it into place."""
-    from safetensors.torch import save
-
-    from titanlite.checkpoint.state_file import write_synced
-
     shards, current, size = [], {}, 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
@@ -169,8 +169,6 @@ def save_safetensors(state: dict[str, torch.Tensor], folder: Path, shard_bytes: 
 
 def load_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face model folder (single file or index + shards)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -188,8 +186,6 @@ def load_safetensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def write_tokenizer(tokenizer_path: str, folder: Path) -> dict:
     """Copy a `tokenizers` tokenizer.json next to the weights; return the special-token ids found."""
-    from tokenizers import Tokenizer
-
     shutil.copyfile(tokenizer_path, folder / "tokenizer.json")
     tok = Tokenizer.from_file(tokenizer_path)
     eos = "<|endoftext|>" if tok.token_to_id("<|endoftext|>") is not None else None
@@ -223,8 +219,6 @@ def load_hf_into(model: torch.nn.Module, folder: str | os.PathLike, model_info: 
     Every rank reads the files and keeps its own shard (set_model_state_dict with full tensors), so
     plain, DDP and FSDP models load the same way. The folder's config.json must match the flavor.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"checkpoint.initial_load_path '{folder}' is not a folder")

@@ -16,7 +16,7 @@ import sys
 from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
 from titanlite.errors import missing_package
 from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 
 
 def gpus() -> list[tuple[str, tuple[int, int]]] | None:
@@ -40,12 +40,6 @@ def gpus() -> list[tuple[str, tuple[int, int]]] | None:
     except ValueError:
         return None
     return found
-
-
-def gpu_capabilities() -> list[tuple[int, int]] | None:
-    """Compute capabilities of this node's NVIDIA GPUs ([]: none; None: nvidia-smi cannot tell)."""
-    found = gpus()
-    return None if found is None else [capability for _, capability in found]
 
 
 def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:

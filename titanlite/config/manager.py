@@ -24,8 +24,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.job_config import JobConfig
 from titanlite.config.settings import parallel_settings, run_mode
-from titanlite.errors import ConfigError
-from titanlite.parallel.launch import Launch
+from titanlite.errors import BAD_INPUT_EXIT, ConfigError
+from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import hsdp_shape
 
@@ -141,8 +141,10 @@ def registry_choices(f: dataclasses.Field) -> list[str] | None:
     return list(getattr(importlib.import_module(module), attr))
 
 
-def _set(cfg: JobConfig, dotted: str, value: Any, text: bool = False) -> None:
-    """Set `section.key` to `value`, checked; `text`: the value is command-line text (see _convert)."""
+def set_key(cfg: JobConfig, dotted: str, value: Any, text: bool = False) -> None:
+    """Set `section.key` to `value` with every check a loaded value gets (type, bounds, registry);
+    `text`: the value is command-line text (see _convert). The TOML and CLI loaders use it, and so does
+    estimation's recommender for its candidate settings."""
     if dotted.count(".") != 1:
         raise ConfigError(f"config keys look like --section.key; got '--{dotted}'")
     section, key = dotted.split(".")
@@ -154,12 +156,6 @@ def _set(cfg: JobConfig, dotted: str, value: Any, text: bool = False) -> None:
     if choices is not None and converted not in choices:
         raise ConfigError(f"{dotted} must be one of {', '.join(choices)}; got {converted!r}")
     setattr(getattr(cfg, section), key, converted)
-
-
-def set_key(cfg: JobConfig, dotted: str, value: Any) -> None:
-    """Set `section.key` to `value` with the checks a command-line value gets (estimation's recommender
-    applies its candidate settings through it)."""
-    _set(cfg, dotted, value)
 
 
 def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
@@ -229,11 +225,11 @@ def load_config(argv: list[str] | None = None, launch: Launch | None = None) -> 
                     raise ConfigError(f"{config_file}: job.config_file cannot be set inside a config file (one file "
                                       f"is read; it does not include another): pass it as --job.config_file")
                 try:
-                    _set(cfg, f"{section}.{key}", value)
+                    set_key(cfg, f"{section}.{key}", value)
                 except ConfigError as e:
                     raise ConfigError(f"{config_file}: {e}") from None
     for k, v in pairs:
-        _set(cfg, k, v, text=True)
+        set_key(cfg, k, v, text=True)
     cfg.job.config_file = config_file
     validate(cfg)
     launch = launch or Launch.from_environ()
@@ -306,7 +302,7 @@ def check_moments_dtype(cfg: JobConfig, world: int) -> None:
 def check_combination(cfg: JobConfig, world: int, ranks_per_host: int | None = None) -> None:
     """Combinations that cannot work, refused with the reason: at start-up, and before torchrun by
     `python -m titanlite.config.check` (so a multi-rank run gets one line, not a worker traceback).
-    `ranks_per_host`: the launcher's (titanlite.parallel.launch.Launch), None where unknown."""
+    `ranks_per_host`: the launcher's (titanlite.parallel.launcher_env.Launch), None where unknown."""
     check_world_size(cfg, world)
     if run_mode(cfg, world).name == "hsdp":
         hsdp_shape(parallel_settings(cfg).data_parallel, world, ranks_per_host)
@@ -375,4 +371,4 @@ def run_cli(main, argv: list[str] | None = None) -> None:
     except ConfigError as e:
         if Launch.from_environ().is_main:  # every rank finds the same error: one line
             print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(BAD_INPUT_EXIT)

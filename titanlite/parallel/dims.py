@@ -9,9 +9,7 @@ the fake process group it started.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.debug import share_one_cpu_core
 from titanlite.hardware import FLOAT8_CAPABILITY
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.policy import data_parallel_mode, mesh_shape
 from titanlite.parallel.settings import DataParallelSettings, ParallelSettings
 
@@ -99,16 +97,6 @@ def init_distributed(settings: ParallelSettings, launch: Launch) -> ParallelDims
             share_one_cpu_core()
     if launch.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" and not shared else "gloo"  # NCCL refuses two ranks on one GPU
-        if backend == "nccl" and settings.cuda_graphs and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
-            # torch's CUDA-graph notes: collectives captured in a graph need NCCL's asynchronous error
-            # handling off. torchrun always sets it (to 1 unless told otherwise), so it is overwritten
-            # here, before the group reads it. The cost: a hung collective then hangs instead of
-            # aborting after the timeout.
-            if launch.is_main:
-                logging.getLogger("titanlite").info(
-                    "training.cuda_graphs: TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (torch's CUDA-graph requirement; "
-                    "a hung collective will hang rather than abort)")
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return parallel_dims(settings.data_parallel, launch, device, memory, float8_supported(device))

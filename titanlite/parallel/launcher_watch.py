@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from titanlite.parallel.launch import Launch
+from titanlite.parallel.launcher_env import Launch
 
 POLL_S = 1.0
 GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL when it stops its ranks

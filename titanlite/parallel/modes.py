@@ -74,7 +74,3 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          refuses={"training.cuda_graphs": "HSDP is FSDP2 underneath: " + _FSDP_GRAPHS,
                   "optimizer.moments_dtype=bfloat16": _MASTER}),
 )}
-
-
-def get_mode(name: str) -> Mode:
-    return MODES[name]

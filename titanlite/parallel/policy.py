@@ -46,7 +46,7 @@ def bf16_copies(precision: PrecisionSettings, mode: Mode, device_type: str = "cu
 
 def hsdp_shape(dp: DataParallelSettings, world: int, ranks_per_host: int | None = None) -> tuple[int, int]:
     """(replicate, shard) degrees of the hsdp mesh; their product must be the world size.
-    `ranks_per_host`: the launcher's ranks per host (titanlite.parallel.launch.Launch), None if unknown."""
+    `ranks_per_host`: the launcher's ranks per host (titanlite.parallel.launcher_env.Launch), None if unknown."""
     rep, shard = dp.replicate_degree, dp.shard_degree
     if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
         shard = ranks_per_host or world
