@@ -90,6 +90,21 @@ def bench_env(extra: dict | None = None) -> dict:
     return {**BENCH_ENV, **os.environ, **(extra or {})}
 
 
+def gpu_names() -> list[str]:
+    """The names nvidia-smi gives this host's GPUs, those CUDA_VISIBLE_DEVICES shows only (none without
+    nvidia-smi). Asked of the driver, so this process holds no CUDA context on any GPU."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    names = [n.strip() for n in names if n.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        names = [names[int(i)] for i in visible.split(",") if i.strip().isdigit() and int(i) < len(names)]
+    return names
+
+
 def free_port() -> int:
     import socket
 
@@ -251,10 +266,7 @@ def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_f
     """One titanlite training run (`python -m titanlite.train BASE ARGS`); its run log read back. With
     `nodes` > 1, `nodes` torchrun agents on this host stand for as many nodes (node_commands), the
     `ngpus` GPUs split between them; `env` is added to the run's environment."""
-    folder = work / name
-    if folder.exists():
-        for old in folder.glob("run_*.json"):
-            old.unlink()
+    folder = _fresh(work / name)
     target = ["-m", "titanlite.train", *(PEER_SHAPES if base is None else base), *args, "--training.steps", str(steps),
               "--metrics.log_freq", str(log_freq), "--job.dump_folder", str(folder)]
     if nodes > 1:
@@ -264,13 +276,41 @@ def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_f
     else:
         cmd = command(ngpus, target)
         rc, text, wall = execute(name, cmd, timeout, work, env=env)
-    res = Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text)
+    return _finished(Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text), folder)
+
+
+def run_train(name: str, args: list[str], ngpus: int = 1, steps: int = 20, log_freq: int = 5, timeout: int = 420,
+              work: Path = WORK, env: dict | None = None) -> Result:
+    """`NGPU=ngpus ./run_train.sh ARGS` as a user types it (titanlite.launch: the option check, the memory
+    check beside the ranks' start-up, torchrun over this host's GPUs), the interpreter taken as it is
+    (TITANLITE_INSTALL=0); its run log read back. `env` is added to the job's environment."""
+    folder = _fresh(work / name)
+    cmd = [str(ROOT / "run_train.sh"), *args, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+           "--metrics.progress_bar=false", "--job.dump_folder", str(folder)]
+    rc, text, wall = execute(name, cmd, timeout, work, env={"NGPU": str(ngpus), "TITANLITE_INSTALL": "0", **(env or {})})
+    return _finished(Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text), folder)
+
+
+def _fresh(folder: Path) -> Path:
+    """A run folder without the run logs of an earlier run of the same name."""
+    for old in folder.glob("run_*.json") if folder.exists() else ():
+        old.unlink()
+    return folder
+
+
+def run_log(folder: Path) -> Path | None:
+    """The newest titanlite run log in a run folder, or None."""
     logs = sorted(folder.glob("run_*.json"), key=os.path.getmtime)
-    if logs:
-        data = json.loads(logs[-1].read_text())
+    return logs[-1] if logs else None
+
+
+def _finished(res: Result, folder: Path) -> Result:
+    """`res` with its run log's entries, start-up and validation read in; its outcome printed."""
+    if (log := run_log(folder)) is not None:
+        data = json.loads(log.read_text())
         res.entries, res.startup = data.get("training_iterations", []), data.get("startup_info", {})
         res.validation = data.get("validation", [])
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: {res.error or 'ok'} in {wall:.0f}s", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {res.name}: {res.error or 'ok'} in {res.wall_s:.0f}s", flush=True)
     return res
 
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import ROOT, WORK, Parser, _kill_group, bench_env, fmt  # noqa: E402
+from launch import ROOT, WORK, Parser, _kill_group, bench_env, fmt, gpu_names  # noqa: E402
 
 PRESETS = {"llama": "train_configs/llama_1.36b_b200.toml", "qwen": "train_configs/qwen3_1.8b_b200.toml"}
 FIRST_STEP = re.compile(r"^(?:\[rank0\]:)?step\s+1/")
@@ -109,15 +109,7 @@ def cases(chosen: dict) -> dict[str, list[str]]:
 
 
 def gpu_name() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.splitlines()
-    except OSError:
-        return "no GPU"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        out = [out[int(i)] for i in visible.split(",") if i.strip().isdigit() and int(i) < len(out)]
-    return out[0].strip() if out else "no GPU"
+    return (gpu_names() or ["no GPU"])[0]
 
 
 def main(argv: list[str]) -> int:

@@ -28,22 +28,37 @@ EXPECTED = {"clean": "healthy", "stall": "compute_stall"}
 
 
 def newest_log(folder: Path) -> str | None:
-    logs = sorted(folder.glob("run_*.json"), key=os.path.getmtime)
-    return str(logs[-1]) if logs else None
+    log = launch.run_log(folder)
+    return str(log) if log else None
 
 
-def diagnose(name: str, logs: list[str | None], out: Path) -> str:
-    """Run titanlite.diagnose over `logs`; copy its report.md to OUT/diagnose_NAME.md; return its verdict line."""
+def diagnose(name: str, logs: list[str | None], folder: Path | None = None) -> dict:
+    """titanlite.diagnose over `logs` (its report in FOLDER, default WORK/diagnose_NAME): the verdict, its
+    confidence, each run's scaling efficiency ([world size, efficiency]), the rank a straggler finding names, the first finding's
+    title, the command; or the line that says why there is no report ("error")."""
+    folder = folder or launch.WORK / f"diagnose_{name}"
+    res = {"name": name, "verdict": None, "folder": str(folder), "logs": logs}
     if not all(logs):
-        return f"{name}: not run (a run of the series has no log)"
-    folder = launch.WORK / f"diagnose_{name}"
+        return {**res, "error": "not run (a run of the series has no log)"}
     cmd = [sys.executable, "-m", "titanlite.diagnose", *logs, "--out", str(folder)]
+    res["command"] = " ".join(["python", *cmd[1:]])
     r = subprocess.run(cmd, cwd=launch.ROOT, capture_output=True, text=True, env=launch.bench_env())
     if r.returncode != 0:
-        return f"{name}: diagnose failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
-    shutil.copyfile(folder / "report.md", out / f"diagnose_{name}.md")
-    verdict = json.loads((folder / "report.json").read_text()).get("verdict")
-    return f"{name}: verdict {verdict} (expected {EXPECTED[name]}) | {' '.join(cmd[1:])}"
+        return {**res, "error": f"diagnose failed: {((r.stderr or r.stdout).strip().splitlines() or [''])[-1]}"}
+    rep = json.loads((folder / "report.json").read_text())
+    straggler = next((f for f in rep["findings"] if f["kind"] == "straggler"), None)
+    return {**res, "verdict": rep.get("verdict"), "confidence": rep.get("confidence"),
+            "efficiency": [[x["world_size"], x["efficiency"]] for x in (rep.get("scaling_efficiency") or {}).get("runs", [])],
+            "straggler_rank": straggler["evidence"]["rank"] if straggler else None,
+            "finding": rep["findings"][0]["title"] if rep["findings"] else ""}
+
+
+def verdict_line(name: str, d: dict, out: Path) -> str:
+    """One line of the study's output for diagnosis `d`; its report.md copied to OUT/diagnose_NAME.md."""
+    if d.get("error"):
+        return f"{name}: {d['error']}"
+    shutil.copyfile(Path(d["folder"]) / "report.md", out / f"diagnose_{name}.md")
+    return f"{name}: verdict {d['verdict']} (expected {EXPECTED[name]}) | {d['command']}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         "--debug.inject_compute_matmuls", str(a.matmuls), "--debug.inject_matmul_size", "8192"],
         sizes[-1], a.steps, 5, a.timeout)
     rows.append((f"ddp + {a.matmuls} matmuls/micro-step", stall, {}))
-    verdicts = [diagnose("clean", ddp_logs, out),
-                diagnose("stall", ddp_logs[:-1] + [newest_log(launch.WORK / stall.name)], out)]
+    verdicts = [verdict_line("clean", diagnose("clean", ddp_logs), out),
+                verdict_line("stall", diagnose("stall", ddp_logs[:-1] + [newest_log(launch.WORK / stall.name)]), out)]
     text = (f"LLaMA 1.36B, local batch 4 x seq 2048 per GPU, compile, {a.steps} steps, steady state after step "
             f"{a.skip}\n\n" + compare_peer.table(rows, versions, a.skip) + "\n\n" + "\n".join(verdicts))
     print("\n" + text)
