@@ -44,7 +44,7 @@ import sys
 import tarfile
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,7 +104,13 @@ class Preset:
                 "--training.global_batch_size", str(self.local * self.accum * k)]
 
 
-def preset(model: str, gpu: str, debug: bool = False) -> Preset:
+def preset(model: str, gpu: str, debug: bool = False, local: int = 0) -> Preset:
+    """The preset's per-GPU work; `local` > 0 replaces its local batch (the accumulation kept)."""
+    p = _preset(model, gpu, debug)
+    return replace(p, local=local) if local else p
+
+
+def _preset(model: str, gpu: str, debug: bool) -> Preset:
     if debug:
         args = ["--job.config_file", "train_configs/debug_model.toml", "--model.name", model, *multinode.DEBUG_SHAPES]
         return Preset(model, args, 2, 2, compare_peer.dp_mode(args))
@@ -164,7 +170,7 @@ class Study:
         """One run of preset `p` on k GPUs (in data-parallel `mode` where not the preset's), clean or with
         `fault`, in the time left; its table row. Returns its name."""
         mode = "" if mode == p.mode else mode
-        name = f"{p.model}_{k}gpu" + (f"_{mode}" if mode else "") + (f"_{fault}" if fault else "")
+        name = f"{p.model}_{k}gpu" + (f"_{mode}" if mode else "") + self.a.batch_tag + (f"_{fault}" if fault else "")
         if any(x["name"] == name for x in self.rows):
             return name
         a, args = self.a, [*p.at(k, mode), *self.a.extra]
@@ -229,14 +235,15 @@ def study(a) -> int:
     s = Study(a)
     closes = a.ngpus in a.sizes
     for model in a.models if "study" in a.parts else []:
-        p = preset(model, a.gpu, a.debug)
-        names = [s.run(p, k) if k in a.sizes else f"{p.model}_{k}gpu" for k in sizes(a.ngpus)]
+        p = preset(model, a.gpu, a.debug, a.local_batch)
+        names = [s.run(p, k) if k in a.sizes else f"{p.model}_{k}gpu{a.batch_tag}" for k in sizes(a.ngpus)]
         if closes:
             s.diagnose(model, names, "healthy")
     if "faults" in a.parts:
-        p = preset("llama", a.gpu, a.debug)
+        p = preset("llama", a.gpu, a.debug, a.local_batch)
         for mode in a.fault_modes:
-            pair = s.run(p, 2, mode=mode) if 2 in a.sizes else f"{p.model}_2gpu" + (f"_{mode}" if mode != p.mode else "")
+            pair = (s.run(p, 2, mode=mode) if 2 in a.sizes else
+                    f"{p.model}_2gpu" + (f"_{mode}" if mode != p.mode else "") + a.batch_tag)
             for fault in a.faults if closes else []:
                 expected = EXPECTED[fault] + (f", rank {a.ngpus - 1}" if fault == "load" else "")
                 s.diagnose(f"{fault}_{mode}", [pair, s.run(p, a.ngpus, fault, mode)], expected)
@@ -385,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "a call without N leaves the diagnoses to the one with it")
     ap.add_argument("--merge", default="", help="comma-separated tags of earlier calls in --out whose runs this one "
                                                 "adds (calls side by side on other GPUs of the host)")
+    ap.add_argument("--local-batch", type=int, default=0, help="every run's local batch instead of the preset's (its "
+                                                               "accumulation kept; runs named _bN): a fault where "
+                                                               "communication is a larger share of the step")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=10, help="log steps up to this one are warm-up")
     ap.add_argument("--log-freq", type=int, default=2)
@@ -400,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(own)
     a.argv, a.extra = argv, extra
     a.stem = "node_study" + (f"_{a.tag}" if a.tag else "")
+    a.batch_tag = f"_b{a.local_batch}" if a.local_batch else ""
     for opt, allowed in (("parts", PARTS), ("models", tuple(PRESETS)), ("faults", FAULTS), ("fault_modes", FAULT_MODES)):
         setattr(a, opt, [x for x in getattr(a, opt).split(",") if x])
         if bad := [x for x in getattr(a, opt) if x not in allowed]:
