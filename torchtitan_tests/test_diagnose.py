@@ -346,6 +346,25 @@ def test_cli_report_and_exit_codes(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
+
+def test_cli_without_matplotlib_writes_the_report_and_says_why(tmp_path):
+    """Without matplotlib (the plot extra) diagnose writes report.md and report.json, no figures, and exits
+    0; its note, on the console and under the report's figures, is the one line for a missing package."""
+    from titanlite.errors import missing_package
+
+    a, b = make_log(tmp_path / "a.json", 2, 900.0), make_log(tmp_path / "b.json", 4, 910.0)
+    out = tmp_path / "rep"
+    hide = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'diagnose'; "
+            "runpy.run_module('titanlite.diagnose', run_name='__main__')")  # import matplotlib now fails
+    r = subprocess.run([sys.executable, "-c", hide, str(a), str(b), "--out", str(out)], capture_output=True,
+                       text=True, cwd=ROOT)
+    note = missing_package("matplotlib", "drawing the figures")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("verdict: healthy") and f"note: {note}; the report is written without them" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+    assert note in (out / "report.md").read_text().split("## Figures")[1]
+    assert json.loads((out / "report.json").read_text())["notes"] == [f"{note}; the report is written without them"]
+
 # ------------------------------------------------------------------------------ what the logs determine
 def json_log(path, gpus, micro, printed_accum, per_gpu, *, local=16, seq=2048, mfu_peak=2250.0, fpt=8.34e9,
              hardware=None, params=None, entries=11):

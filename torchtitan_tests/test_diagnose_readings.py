@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from titanlite.diagnose import Settings, diagnose
+from titanlite.diagnose.advice import REMEDIES
+from titanlite.diagnose.reconstruct import MISREPORTS
 from titanlite.hardware import by_key
 from titanlite.models import get_model_args
 
@@ -227,10 +229,14 @@ def test_reading_and_corrected_figures(tmp_path, fmt, misreports):
         assert a.verdict == "measurement_inconsistency"
         assert a.findings[0].title.startswith("No scaling loss"), a.findings[0].title
         assert a.findings[0].cause == "misreport"
-        assert a.findings[0].remedies == sorted({m for r in rec["runs"] for m in r["reading"]})
+        # every misreport the simulated loggers made, in its own field: remedies are for the run, not the logger
+        assert a.findings[0].misreports == sorted(misreports) and a.findings[0].remedies == []
+        assert rep["findings"][0]["misreports"] == sorted(misreports)
         assert not {"compute_stall", "communication", "straggler"} & {f.kind for f in a.findings}
     else:
         assert a.verdict == "healthy", a.findings[0].title
+    for f in rep["findings"]:  # each list holds keys of its own table
+        assert set(f["remedies"]) <= set(REMEDIES) and set(f["misreports"]) <= set(MISREPORTS), f
     md = (tmp_path / "out" / "report.md").read_text()
     assert md.index("## What the logs say, reconstructed") < md.index("## Findings, ranked")
 
@@ -334,7 +340,9 @@ def test_console_example_is_no_scaling_loss(tmp_path):
     assert rec["runs"][0]["mfu_dense_pct"] == pytest.approx(100 * 72818 * F_DENSE / (PEAK * 1e12), rel=0.01)
     assert rep["confidence"] == "low" and any("1 steady log entry" in r for r in rep["confidence_reasons"])
     assert not {"compute_stall", "communication", "straggler"} & {f["kind"] for f in rep["findings"]}
-    assert a.findings[0].cause == "misreport" and "peak_4x_dense" in a.findings[0].remedies
+    assert a.findings[0].cause == "misreport" and a.findings[0].remedies == []
+    assert a.findings[0].misreports == ["accumulation_differs", "flops_with_embedding", "peak_4x_dense",
+                                        "tokens_per_sec_is_one_gpu"]
 
 
 def run_cli(*args):

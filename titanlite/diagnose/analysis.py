@@ -12,9 +12,9 @@ than the entry-to-entry jitter of both runs (sum of their inter-quartile ranges:
 than the noise is no evidence) becomes a finding of that phase's kind. Run-wide phases use the fastest rank (`min` over ranks), so one slow
 rank, and the others' waits for it, show up as a `straggler` and nowhere else.
 
-Every result is a typed record: `Finding` (kind, cause, severity, title, evidence, remedies; its next
-check written from titanlite.diagnose.advice's table, keyed by kind and cause), `Setting` (a
-like-for-like row), `Check` (a recomputed figure), `Loss` (where a healthy run's efficiency goes) and
+Every result is a typed record: `Finding` (kind, cause, severity, title, evidence, remedies,
+misreports; its next check written from titanlite.diagnose.advice's table, keyed by kind and cause),
+`Setting` (a like-for-like row), `Check` (a recomputed figure), `Loss` (where a healthy run's efficiency goes) and
 `Reason` (why the confidence is lower, with the flags that would settle it). Each figure has one
 function (gradient_bytes, allreduce_ms, allreduce_extra_ms, predicted_step_ms); figures measured on
 benchmarks live in docs/diagnosis.md, which the advice points to.
@@ -68,6 +68,9 @@ class Finding:
     run: str = ""
     cause: str = ""  # the advice table's key beside the kind (titanlite.diagnose.advice)
     remedies: list[str] = field(default_factory=list)  # advice.REMEDIES keys, in the order they measured best
+    # reconstruct.MISREPORTS keys: what the logs misreport (cause "misreport"), all runs' together; what
+    # fixes each is in the next check, not in `remedies`, which change how the run trains
+    misreports: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -575,7 +578,7 @@ def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: T
     return Finding("measurement_inconsistency", "high" if throughput else "medium", title, ev,
                    advise("measurement_inconsistency", "misreport", fixes="; ".join(rec.fixes)),
                    score=1.0 if no_loss else 0.05, cause="misreport",
-                   remedies=sorted({m for rr in rec.runs for m in rr.reading}))
+                   misreports=sorted({m for rr in rec.runs for m in rr.reading}))
 
 
 def insufficient_finding(runs: list[Run]) -> Finding | None:

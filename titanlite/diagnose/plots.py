@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titanlite.diagnose.runs import PHASES, Run
+from titanlite.diagnose.runs import PHASES, Run, median
 
 COLORS = {"data": "#e69f00", "compute": "#0072b2", "comm": "#cc79a7", "optimizer": "#009e73", "idle": "#999999"}
 LABELS = {"data": "data wait", "compute": "compute", "comm": "exposed comm", "optimizer": "optimizer",
@@ -46,7 +46,7 @@ def phases_png(runs: list[Run], effs: dict[str, float | None], path: Path) -> No
     top = 0.0
     for i, r in enumerate(runs):
         if r.has_breakdown:
-            height = _stack(ax, i, {p: r.phase_over_ranks(p, how=_median) for p in PHASES})
+            height = _stack(ax, i, {p: r.phase_over_ranks(p, how=median) for p in PHASES})
         else:
             height = ax.bar(i, r.step_ms, 0.6, color="#dddddd", hatch="//")[0].get_height()
         eff = effs.get(r.label)
@@ -93,11 +93,6 @@ def ranks_png(runs: list[Run], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _median(values):
-    s = sorted(values)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
 def _ms(v: float) -> str:

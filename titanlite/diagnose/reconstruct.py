@@ -30,10 +30,10 @@ touches it. A log without one is read through its logged rate instead, with lowe
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 from dataclasses import dataclass, field
 
+from titanlite.diagnose.runs import median
 from titanlite.hardware import lookup
 from titanlite.metrics.run_log import LoggedRun, steady
 from titanlite.models import MODEL_REGISTRY, get_model_args
@@ -245,11 +245,6 @@ class Reconstruction:
 
 
 # ------------------------------------------------------------------------------ facts
-def _median(values) -> float | None:
-    vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-    return statistics.median(vals) if vals else None
-
-
 def registry_args(model: dict, config: dict) -> ModelArgs | None:
     """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
     when it names none that is registered."""
@@ -297,9 +292,9 @@ def gather(log: LoggedRun, label: str, scope: str) -> Facts:
     seen = [(b["tokens_seen"] - a["tokens_seen"]) / (b["iter"] - a["iter"]) for a, b in zip(entries, entries[1:])
             if isinstance(a.get("tokens_seen"), (int, float)) and isinstance(b.get("tokens_seen"), (int, float))
             and b["iter"] > a["iter"]]
-    step_ms = _median(e.get("time_ms") for e in entries)
+    step_ms = median(e.get("time_ms") for e in entries)
     logged = {k: v for k in ("tokens_per_sec", "tokens_per_sec_per_gpu", "tflops", "tflops_per_gpu", "mfu")
-              if (v := _median(e.get(k) for e in entries)) is not None}
+              if (v := median(e.get(k) for e in entries)) is not None}
     printed = {k: float(cfg[k]) for k in ("global_batch_size", "tokens_per_iteration")
                if isinstance(cfg.get(k), (int, float)) and "gradient_accumulation_steps" not in log.overrides}
     if seen:

@@ -11,6 +11,7 @@ from pathlib import Path
 from titanlite.diagnose.analysis import Analysis
 from titanlite.diagnose.plots import phases_png, ranks_png
 from titanlite.diagnose.runs import PHASES, WARMUP_RULE
+from titanlite.errors import missing_package
 
 
 def num(v, digits: int = 1) -> str:
@@ -217,7 +218,7 @@ def write_report(a: Analysis, out: Path) -> list[Path]:
     effs = {row["run"]: row["efficiency"] for row in a.scaling["runs"]}
     paths = [out / "report.md", out / "report.json", out / "phases.png", out / "ranks.png"]
     if importlib.util.find_spec("matplotlib") is None:  # the report still stands; say why the figures are missing
-        a.notes.append("matplotlib is not installed: no figures (pip install matplotlib, then rerun)")
+        a.notes.append(missing_package("matplotlib", "drawing the figures") + "; the report is written without them")
         paths = paths[:2]
     paths[0].write_text(markdown(a))
     paths[1].write_text(json.dumps(finite(to_json(a)), indent=1, allow_nan=False, default=str))

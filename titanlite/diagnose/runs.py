@@ -148,6 +148,8 @@ def iqr(values) -> float:
 
 
 def median(values) -> float | None:
+    """The median of the finite numbers among `values` (None where there are none): the one median of
+    diagnose's figures."""
     vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     return statistics.median(vals) if vals else None
 
