@@ -60,6 +60,26 @@ def _aim(probes: dict[int, int], lo: int, budget: float) -> int:
     return b0 + int((budget - p0) // slope) if slope > 0 else 2 * max(lo, 1)
 
 
+def batch_for_global(measure, fits, global_batch: int, world: int, largest: int, progress) -> dict:
+    """{local batch: StepResult} of the local batches at most `largest` (the search's answer) that divide
+    `global_batch` over `world` ranks, measured from the largest down until one fits, each by
+    `measure(batch, micro_steps)` at its own accumulation (two micro-steps where it accumulates). The
+    search's probes ran with the configured batch's micro-steps, and a batch that accumulates holds the
+    first micro-step's gradients through the second (fp32, 4 bytes a parameter: more than 4 GiB for a
+    1B model), which a probe without accumulation does not show."""
+    out = {}
+    for b in range(min(largest, global_batch // world), 0, -1):
+        if global_batch % (b * world):
+            continue
+        accum = global_batch // (b * world)
+        r = out[b] = measure(b, 2 if accum > 1 else 1)
+        progress(f"local batch {b} x accumulation {accum}: peak {r.peak_bytes / GIB:.2f} GiB "
+                 f"({'fits' if fits(r.peak_bytes) else 'does not fit'})")
+        if fits(r.peak_bytes):
+            break
+    return out
+
+
 def headroom(configured: float, mode: str) -> float:
     """estimate.fragmentation, or (-1) the measured headroom of this data-parallel mode."""
     return MODES[mode].headroom if configured < 0 else configured
@@ -191,6 +211,7 @@ def estimate(cfg, progress=_progress) -> dict:
                  f"of {fits.budget / GIB:.1f} GiB (not run)")
 
     results: dict[int, StepResult] = {}
+    for_global: dict[int, StepResult] = {}  # local batches that divide the global batch, at their own accumulation
     largest = 0
     if limit >= 1 and (est.search or local <= bound):
         progress(f"building {cfg.model.name}/{cfg.model.flavor} on {world} fake rank(s), {mode}"
@@ -208,10 +229,14 @@ def estimate(cfg, progress=_progress) -> dict:
                 # a configured batch beyond the bound is not probed: start from the bottom instead. The
                 # answer keeps clear of the allocator's headroom: at the edge of the GPU a tight batch runs
                 # in one process and runs out of memory in the next (docs/estimation.md, the OOM search).
-                largest = largest_batch(peak_of, _Fits(usable, fits.fragmentation, keep_headroom=True),
-                                        local if local <= limit else 1, limit)
+                clear = _Fits(usable, fits.fragmentation, keep_headroom=True)
+                largest = largest_batch(peak_of, clear, local if local <= limit else 1, limit)
                 if largest < limit and (largest + 1) not in results:
                     peak_of(largest + 1)  # the batch above: tight, or out of memory
+                if cfg.training.global_batch_size != -1:  # a probe with the same micro-steps is the measurement
+                    measure = lambda b, n: results[b] if b in results and n == micro_steps else run.step(b, n)
+                    for_global = batch_for_global(measure, clear, cfg.training.global_batch_size, world, largest,
+                                                  progress)
             elif fits(peak_of(local)):
                 largest = local
         finally:
@@ -243,7 +268,7 @@ def estimate(cfg, progress=_progress) -> dict:
             "bf16_params": cfg.training.bf16_params, "moments_dtype": cfg.optimizer.moments_dtype,
         },
         "memory": _memory(res, hw, usable, fits, local * floor + state),
-        "batch_search": _search(results, largest, cfg, world, fits) if est.search else None,
+        "batch_search": _search(results, largest, cfg, world, fits, for_global) if est.search else None,
         "throughput": None,
         "notes": [
             "memory is per rank (rank 0); with compile.enable the compiled blocks keep what torch.compile's "
@@ -284,7 +309,7 @@ def _memory(res: StepResult | None, hw, usable: float, fits, least_bytes: int) -
     }
 
 
-def _search(results: dict, largest: int, cfg, world: int, fits) -> dict:
+def _search(results: dict, largest: int, cfg, world: int, fits, for_global: dict) -> dict:
     gb = cfg.training.global_batch_size
     above = results.get(largest + 1)
     out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3)
@@ -296,11 +321,16 @@ def _search(results: dict, largest: int, cfg, world: int, fits) -> dict:
         out["global_batch_size"] = "local x ranks (no accumulation)"
         out["gradient_accumulation_steps"] = 1
     else:
-        # The largest local batch that divides the configured global batch over the ranks.
-        b = next((b for b in range(min(largest, gb), 0, -1) if gb % (b * world) == 0), None)
+        # The largest local batch that divides the configured global batch over the ranks and fits, clear
+        # of the headroom, at its own accumulation (batch_for_global).
+        b = next((b for b, r in for_global.items() if r.peak_bytes <= fits.comfortable), None)
         out["global_batch_size"] = gb
         out["local_batch_for_global"] = b
         out["gradient_accumulation_steps"] = gb // (b * world) if b else None
+        out["peak_gib_for_global"] = round(for_global[b].peak_bytes / GIB, 3) if b else None
+        out["probes_for_global"] = [{"local_batch": b, "gradient_accumulation_steps": gb // (b * world),
+                                     "peak_gib": round(r.peak_bytes / GIB, 3), "fits": r.peak_bytes <= fits.comfortable}
+                                    for b, r in for_global.items()]
     return out
 
 
@@ -343,10 +373,11 @@ def format_report(r: dict) -> str:
                          f"of memory")
         if s.get("local_batch_for_global"):
             lines.append(f"global batch {s['global_batch_size']}: local batch {s['local_batch_for_global']} x "
-                         f"{c['ngpu']} ranks x {s['gradient_accumulation_steps']} accumulation steps")
+                         f"{c['ngpu']} ranks x {s['gradient_accumulation_steps']} accumulation steps (peak "
+                         f"{s['peak_gib_for_global']:.2f} GiB with its accumulation)")
         elif s["global_batch_size"] != "local x ranks (no accumulation)":
             lines.append(f"global batch {s['global_batch_size']}: no local batch <= {s['largest_local_batch']} "
-                         f"divides it over {c['ngpu']} ranks")
+                         f"that divides it over {c['ngpu']} ranks fits with its accumulation")
     if t is None:
         return "\n".join(lines)
     a, w = t["assumptions"], t["work"]

@@ -2,12 +2,13 @@
 start-up: `python -m estimation.preflight --world-size W --nodes N --hardware KEY --command C -- ARGS`.
 
 It predicts the job's peak memory per GPU on that GPU with `estimation.estimate` (the configured local
-batch, and where that does not fit, the batch search up to it) and prints one JSON line, what the
-launcher does: {"action": "none" | "warn" | "stop" | "restart", "line": the line to print, "args":
-the options to restart with}. `stop` names the predicted peak, the GPU's memory and the command (C
-followed by ARGS, the batch options replaced) that fits; `restart` (training.memory_fit=adjust, one
-node) the local batch it starts again at. The global batch is kept: the configured one, or local x
-ranks where it is -1, with the accumulation raised. A prediction that fails says so and stops nothing.
+batch, and where that does not fit, the batch search up to it, its answer measured at the accumulation
+it runs with) and prints one JSON line, what the launcher does: {"action": "none" | "warn" | "stop" |
+"restart", "line": the line to print, "args": the options to restart with}. `stop` names the predicted
+peak, the GPU's memory and the command (C followed by ARGS, the batch options replaced) that fits;
+`restart` (training.memory_fit=adjust, one node) the local batch it starts again at. The global batch
+is kept: the configured one, or local x ranks where it is -1, with the accumulation raised. A
+prediction that fails says so and stops nothing.
 """
 
 from __future__ import annotations
@@ -61,33 +62,19 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
            f"({where}), more than the {m['usable_gib']:.2f} GiB usable of the GPU's {hw.memory_gib:.1f} GiB")
     fit = search.get("local_batch_for_global")
     if not fit:
-        return {"action": "stop", "line": f"error: {why}; no local batch is clear of the allocator's headroom: "
-                                          f"try --activation_checkpoint.mode full or more GPUs with "
+        return {"action": "stop", "line": f"error: {why}; no local batch is clear of the allocator's headroom with "
+                                          f"the accumulation that keeps the global batch {global_batch}: try "
+                                          f"--activation_checkpoint.mode full or more GPUs with "
                                           f"--parallelism.data_parallel fsdp"}
     accum = search["gradient_accumulation_steps"]
-    peak = _peak_at(search["probes"], fit)
     args = ["--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)]
-    size = (f"{peak[0]:.2f} GiB" if peak and peak[1] else f"about {peak[0]:.1f} GiB" if peak else "")
-    fits = f"fits{f' ({size})' if size else ''} and keeps the global batch {global_batch}"
+    fits = f"fits ({search['peak_gib_for_global']:.2f} GiB) and keeps the global batch {global_batch}"
     if cfg.training.memory_fit == "adjust" and nodes == 1:
         return {"action": "restart", "args": args,
                 "line": f"memory check: {why}; starting again at local batch {fit} x accumulation {accum}, the "
                         f"largest that {fits} (training.memory_fit=adjust, {took})"}
     return {"action": "stop", "line": f"error: {why}; local batch {fit} x accumulation {accum} {fits}: {command} "
                                       f"{shlex.join([*without(argv, BATCH_KEYS), *args])}"}
-
-
-def _peak_at(probes: list[dict], batch: int) -> tuple[float, bool] | None:
-    """Predicted peak (GiB) at `batch` and whether a fake step measured it: its probe's, else the line
-    between the probes around it (the peak is near-linear in the batch), else None."""
-    by_batch = {p["local_batch"]: p["peak_gib"] for p in probes}
-    if batch in by_batch:
-        return by_batch[batch], True
-    below = max((b for b in by_batch if b < batch), default=None)
-    above = min((b for b in by_batch if b > batch), default=None)
-    if below is None or above is None:
-        return None
-    return by_batch[below] + (by_batch[above] - by_batch[below]) * (batch - below) / (above - below), False
 
 
 def without(argv: list[str], keys: tuple[str, ...]) -> list[str]:

@@ -319,11 +319,30 @@ def test_batch_search_answers_clear_of_the_headroom_and_names_the_tight_batch_ab
     cfg = SimpleNamespace(training=SimpleNamespace(global_batch_size=-1))
     fits = _Fits(78.59 * GIB, 0.02)
     results = {b: SimpleNamespace(peak_bytes=int(p * GIB)) for b, p in {16: 61.8, 21: 75.6, 22: 78.4}.items()}
-    s = _search(results, 21, cfg, 1, fits)
+    s = _search(results, 21, cfg, 1, fits, {})
     assert s["largest_local_batch"] == 21 and s["tight_local_batch"] == 22
     assert [p["fits"] for p in s["probes"]] == [True, True, False] and s["probes"][2]["tight"]
     results[22] = SimpleNamespace(peak_bytes=int(81 * GIB))  # out of memory outright: nothing tight to name
-    assert _search(results, 21, cfg, 1, fits)["tight_local_batch"] is None
+    assert _search(results, 21, cfg, 1, fits, {})["tight_local_batch"] is None
+
+
+def test_the_local_batch_for_a_global_batch_is_measured_at_its_own_accumulation():
+    """Local batch 2 x accumulation 4 (the search's probes: two micro-steps each), global batch 8, the
+    search up to 12: the answer for the global batch is 8, with no accumulation, and its peak is that of
+    its own run (one micro-step), not of 8 with accumulation; the configured run's memory and throughput
+    stay those of the estimate without the search."""
+    from estimation.estimate import estimate
+
+    cfg = ["--training.global_batch_size", "8", "--estimate.max_local_batch", "12", "--compile.enable=false"]
+    s = estimate(_cfg(*cfg), progress=lambda m: None)
+    b = s["batch_search"]
+    assert b["largest_local_batch"] == 12 and b["local_batch_for_global"] == 8 and b["gradient_accumulation_steps"] == 1
+    own = _estimate("--training.local_batch_size", "8", "--training.global_batch_size", "8")["memory"]["peak_gib"]
+    accumulating = _estimate("--training.local_batch_size", "8", "--training.global_batch_size", "16")
+    assert b["peak_gib_for_global"] == own < accumulating["memory"]["peak_gib"]
+    assert b["probes_for_global"] == [{"local_batch": 8, "gradient_accumulation_steps": 1, "peak_gib": own, "fits": True}]
+    alone = _estimate(*cfg)
+    assert (s["memory"], s["throughput"]) == (alone["memory"], alone["throughput"])
 
 
 def test_cli_unknown_hardware(tmp_path):

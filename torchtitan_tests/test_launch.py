@@ -232,19 +232,41 @@ def test_the_check_of_a_run_that_fits_names_its_predicted_peak():
 
 def test_check_refuses_in_one_line_naming_the_command_that_fits():
     """The line names the predicted peak, the usable memory and the GPU's, and a command whose own
-    prediction fits: the same options with the largest local batch that divides the global batch."""
+    prediction fits: the same options with the largest local batch that divides the global batch, and
+    that command's own predicted peak (its accumulation's included)."""
     argv = DEBUG + SMALL_GPU + ["--training.steps", "7"]
     v = preflight(argv)
     m = predicted_peak(argv)
     assert v["action"] == "stop" and not m["fits"]
     command = v["line"].split(": ./run_train.sh ")[1].split()
-    assert re.fullmatch(rf"error: llama/debug at local batch 16 needs a predicted {m['peak_gib']:.2f} GiB per GPU \(1 x "
-                        rf"NVIDIA H100 80GB HBM3\), more than the 0\.14 GiB usable of the GPU's 79\.2 GiB; local batch 8 "
-                        rf"x accumulation 2 fits \((about \d\.\d|\d\.\d\d) GiB\) and keeps the global batch 16: \./run_train\.sh .*",
-                        v["line"]), v["line"]
     assert command == ["--training.dataset", "synthetic", "--training.seq_len", "256", *SMALL_GPU, "--training.steps", "7",
                        "--training.local_batch_size", "8", "--training.global_batch_size", "16"]  # the batch replaced
-    assert predicted_peak(command)["fits"]
+    fit = predicted_peak(command)
+    assert fit["fits"]
+    assert re.fullmatch(rf"error: llama/debug at local batch 16 needs a predicted {m['peak_gib']:.2f} GiB per GPU \(1 x "
+                        rf"NVIDIA H100 80GB HBM3\), more than the 0\.14 GiB usable of the GPU's 79\.2 GiB; local batch 8 "
+                        rf"x accumulation 2 fits \({fit['peak_gib']:.2f} GiB\) and keeps the global batch 16: "
+                        rf"\./run_train\.sh .*", v["line"]), v["line"]
+
+
+def test_the_batch_for_the_global_batch_fits_with_its_accumulation():
+    """A usable memory between local batch 8's peak without accumulation and its peak with it (the
+    first micro-step's gradients held through the second): the search's probe at 8 fits, 8 x
+    accumulation 2 does not, so the restart steps down to the next divisor of the global batch, 4 x 4,
+    and names that run's own predicted peak."""
+    alone = predicted_peak(DEBUG + ["--training.local_batch_size", "8"])
+    accumulating = predicted_peak(DEBUG + ["--training.local_batch_size", "8", "--training.global_batch_size", "16"])
+    assert alone["peak_gib"] < accumulating["peak_gib"]
+    clear = (alone["peak_gib"] + accumulating["peak_gib"]) / 2  # the search's budget: usable / (1 + headroom)
+    usable = clear * (1 + accumulating["allocator_headroom"])
+    reserve = ["--estimate.reserved_gib", repr(accumulating["gpu_memory_gib"] - usable)]
+    v = preflight(DEBUG + reserve + ["--training.memory_fit", "adjust"])
+    assert v["action"] == "restart"
+    assert v["args"] == ["--training.local_batch_size", "4", "--training.global_batch_size", "16"]
+    four = predicted_peak(DEBUG + reserve + v["args"])
+    assert four["fits"] and not four["tight"]
+    assert re.search(rf"; starting again at local batch 4 x accumulation 4, the largest that fits "
+                     rf"\({four['peak_gib']:.2f} GiB\) and keeps the global batch 16 \(", v["line"]), v["line"]
 
 
 def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several():
@@ -252,8 +274,8 @@ def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(
     v = preflight(argv)
     assert v["action"] == "restart"
     assert v["args"] == ["--training.local_batch_size", "8", "--training.global_batch_size", "16"]
-    assert re.search(r"; starting again at local batch 8 x accumulation 2, the largest that fits \((about \d\.\d|"
-                     r"\d\.\d\d) GiB\) and keeps the global batch 16 \(training\.memory_fit=adjust, \d+ s\)$", v["line"])
+    assert re.search(r"; starting again at local batch 8 x accumulation 2, the largest that fits \(\d\.\d\d GiB\) and "
+                     r"keeps the global batch 16 \(training\.memory_fit=adjust, \d+ s\)$", v["line"])
     v = preflight(argv, world=2, nodes=2)  # one launcher per node: a restart they do not agree on
     assert v["action"] == "stop" and "; local batch 8 x accumulation 2 fits (" in v["line"]
     assert ") and keeps the global batch 32: ./run_train.sh " in v["line"]
@@ -295,7 +317,7 @@ def test_run_train_sh_refuses_a_run_predicted_not_to_fit(tmp_path):
     assert len(errors) == 1 and errors[0] in r.stderr.splitlines(), out[-3000:]
     assert re.fullmatch(r"error: llama/debug at local batch 16 needs a predicted \d\.\d\d GiB per GPU \(2 x NVIDIA H100 "
                         r"80GB HBM3, ddp\), more than the 0\.14 GiB usable .*; local batch 8 x accumulation 2 fits "
-                        rf"\((about \d\.\d|\d\.\d\d) GiB\) and keeps the global batch 32: NGPU=2 {ROOT}/run_train\.sh .* --training\."
+                        rf"\(\d\.\d\d GiB\) and keeps the global batch 32: NGPU=2 {ROOT}/run_train\.sh .* --training\."
                         r"local_batch_size 8 --training\.global_batch_size 32", errors[0]), errors[0]
     assert "Traceback" not in out and "exitcode" not in out and "death signal" not in out
     assert job_processes(str(tmp_path)) == []
