@@ -463,7 +463,7 @@ def test_memory_fit_reads_what_the_start_up_did():
 
     restart = ("memory check: llama/1.36B at local batch 24 needs a predicted 84.02 GiB per GPU (1 x NVIDIA H100 80GB "
                "HBM3), more than the 78.59 GiB usable of the GPU's 79.2 GiB; starting again at local batch 12 x "
-               "accumulation 2, the largest that fits (about 51.2 GiB) and keeps the global batch 24 "
+               "accumulation 2, the largest that fits (55.24 GiB) and keeps the global batch 24 "
                "(training.memory_fit=adjust, 14 s)")
     lines = [(3.0, "[rank0]:run log: x.json"), (17.5, restart), (60.2, "[rank0]:step      1/12 | loss 10.9")]
     assert memory_fit.did(lines, 0, False) == ("local batch 12 x accumulation 2 (started again)", 17.5, restart)
