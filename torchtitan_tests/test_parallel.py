@@ -421,45 +421,6 @@ def test_ddp_does_not_sync_buffers_every_forward_and_does_not_warn():
         dist.destroy_process_group()
 
 
-def test_ddp_max_ctas_gives_the_all_reduce_a_communicator_of_its_own(monkeypatch):
-    """parallelism.ddp_max_ctas: DDP all-reduces over a new NCCL communicator of the dp_replicate ranks whose
-    config caps its thread blocks; 0 (the default) and non-NCCL groups keep the mesh's own group. NCCL is
-    stood in (this CPU build has none): what is checked is what the communicator is asked for."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import titanlite.parallel.ddp as ddp_module
-    from titanlite.config import parallel_settings
-    from titanlite.parallel.dims import ParallelDims
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_replicate",))
-        dims = ParallelDims("ddp", 0, 1, torch.device("cpu"), mesh)
-        dp = parallel_settings(load_config(["--parallelism.data_parallel", "ddp"])).data_parallel
-        assert dp.ddp_max_ctas == 0 and ddp_module.replica_group(dp, dims) is mesh.get_group("dp_replicate")
-        capped = replace(dp, ddp_max_ctas=8)
-        assert ddp_module.replica_group(capped, dims) is mesh.get_group("dp_replicate")  # gloo: nothing to cap
-
-        made = []
-
-        class Options:
-            def __init__(self):
-                self.config = SimpleNamespace(max_ctas=-1)
-
-        monkeypatch.setattr(dist, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
-        monkeypatch.setattr(ddp_module.dist, "get_backend", lambda group=None: "nccl")
-        monkeypatch.setattr(ddp_module, "dim_group", lambda m, dim, opts: made.append((m, dim, opts.config.max_ctas)) or "own")
-        assert ddp_module.replica_group(capped, dims) == "own" and made == [(mesh, "dp_replicate", 8)]
-    finally:
-        dist.destroy_process_group()
-    with pytest.raises(ConfigError, match="ddp_max_ctas"):
-        load_config(["--parallelism.ddp_max_ctas", "65"])
-
-
 # ------------------------------------------------------------------------- copy-engine all-gather
 def _copy_engine_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)

@@ -127,9 +127,6 @@ class Parallelism:
     ddp_bucket_cap_mb: int = doc(100, "ddp/zero1: gradient bucket size in MB", min=1)
     ddp_bucket_view: bool = doc(True, "ddp/zero1: gradients become views into DDP's reduce buckets, so the reduced "
                                       "bucket is the gradient (no copy back out after each all-reduce)")
-    ddp_max_ctas: int = doc(0, "ddp/zero1 over NCCL: the most thread blocks (one SM each) the gradient all-reduce "
-                               "may run on beside the backward's GEMMs, through a communicator of its own (NCCL's "
-                               "maxCTAs); 0 = NCCL's own choice", min=0, max=64)
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (a comm hook: cast to bf16, "
                    "divide by the ranks, all-reduce, copy back into the fp32 bucket)")

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlite.errors import ConfigError
 from titanlite.hardware import lookup
-from titanlite.parallel.dims import ParallelDims, dim_group
+from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.settings import ParallelSettings
 
 # NCCL's copy-engine collectives (zero-CTA policy over symmetric memory) arrived in 2.28
@@ -126,10 +126,17 @@ def copy_engine_all_gather(model: nn.Module, mesh) -> None:
 
 
 def _zero_cta_group(mesh, dim: str):
-    """This rank's group along mesh dimension `dim`, as a new NCCL communicator under the zero-CTA policy."""
+    """This rank's group along mesh dimension `dim`, as a new NCCL communicator under the zero-CTA policy.
+    Every rank makes every group of the dimension (new_group is collective over the whole job)."""
     opts = dist.ProcessGroupNCCL.Options()
     opts.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
-    return dim_group(mesh, dim, opts)
+    i = mesh.mesh_dim_names.index(dim)
+    mine = None
+    for row in mesh.mesh.movedim(i, -1).reshape(-1, mesh.size(i)).tolist():  # the groups along `dim`
+        group = dist.new_group(ranks=row, backend="nccl", pg_options=opts)
+        if dist.get_rank() in row:
+            mine = group
+    return mine
 
 
 def _symmetric_all_gather(gather_group):

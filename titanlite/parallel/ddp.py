@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from titanlite.ops.master_linear import MasterWeights, release_stale
-from titanlite.parallel.dims import ParallelDims, dim_group
-from titanlite.parallel.settings import DataParallelSettings, ParallelSettings
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.settings import ParallelSettings
 
 
 def apply_ddp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, masters: MasterWeights) -> nn.Module:
@@ -55,25 +55,12 @@ def ddp_wrapper(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         # micro-steps would accumulate the masters' gradients outside the buckets: a second fp32 copy of the
         # blocks' gradients beside them until the last backward, which set the run's peak under accumulation.
         p.grad = torch.zeros_like(p)
-    ddp = DistributedDataParallel(model, device_ids=ids, process_group=replica_group(dp, dims),
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=dims.mesh.get_group("dp_replicate"),
                                   bucket_cap_mb=dp.ddp_bucket_cap_mb, gradient_as_bucket_view=dp.ddp_bucket_view,
                                   **{no_sync: False})
     for p in in_buckets:
         release_stale(p)
     return ddp
-
-
-def replica_group(dp: DataParallelSettings, dims: ParallelDims) -> dist.ProcessGroup:
-    """The group DDP all-reduces over: the mesh's dp_replicate group, or with parallelism.ddp_max_ctas a
-    communicator of its own over the same ranks whose collectives take at most that many SMs, so the
-    all-reduce overlapping the backward leaves the rest to its GEMMs (NCCL only; elsewhere the
-    setting has nothing to limit)."""
-    group = dims.mesh.get_group("dp_replicate")
-    if not dp.ddp_max_ctas or dist.get_backend(group) != "nccl":
-        return group
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.config.max_ctas = dp.ddp_max_ctas
-    return dim_group(dims.mesh, "dp_replicate", opts)
 
 
 def mean_allreduce_hook(group, bucket):

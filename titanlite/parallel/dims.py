@@ -66,19 +66,6 @@ class ParallelDims:
         return self.rank == 0
 
 
-def dim_group(mesh: DeviceMesh, dim: str, pg_options) -> dist.ProcessGroup:
-    """This rank's group along mesh dimension `dim` as a new NCCL communicator configured by `pg_options`
-    (the mesh's own groups keep the job's defaults). Every rank makes every group of the dimension:
-    new_group is collective over the whole job."""
-    i = mesh.mesh_dim_names.index(dim)
-    mine = None
-    for row in mesh.mesh.movedim(i, -1).reshape(-1, mesh.size(i)).tolist():  # the groups along `dim`
-        group = dist.new_group(ranks=row, backend="nccl", pg_options=pg_options)
-        if dist.get_rank() in row:
-            mine = group
-    return mine
-
-
 def parallel_dims(dp: DataParallelSettings, launch: Launch, device: torch.device, device_memory: int | None = None,
                   float8: bool = False) -> ParallelDims:
     """This rank's dims over the process group already started (the job's, or estimation's fake one):
