@@ -27,7 +27,8 @@ def main(argv: list[str]) -> None:
     if cfg.estimate.recommend:
         from estimation.recommend import main as recommend
 
-        return recommend(cfg)
+        recommend(cfg)
+        return
     report = estimate(cfg)
     print(format_report(report))
     path = write_report(report, cfg.estimate.output or os.path.join(cfg.job.dump_folder, "estimate.json"))

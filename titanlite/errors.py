@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 
@@ -18,7 +19,7 @@ import time
 OPTIONAL = {"matplotlib": ("matplotlib", "plot"), "pyarrow": ("pyarrow", "parquet"), "wandb": ("wandb", "wandb")}
 
 # A run's exit codes besides 0 (the README's table; 130 + Ctrl-C and 128 + N for a signal are the shell's)
-FAILURE_EXIT = 1        # a failure shown with its traceback, or a checkpoint that could not be saved
+FAILURE_EXIT = 1        # a failure shown with its traceback, a checkpoint that could not be saved, stdout's reader gone
 BAD_INPUT_EXIT = 2      # bad input, or a run the memory check predicts cannot fit
 NON_FINITE_EXIT = 3     # a non-finite loss with training.on_nan=stop
 OUT_OF_MEMORY_EXIT = 4  # out of memory
@@ -26,6 +27,19 @@ OUT_OF_MEMORY_EXIT = 4  # out of memory
 
 class ConfigError(ValueError):
     """Bad configuration input. The message is one line and names the key or file."""
+
+
+def to_pipe(main, *args):
+    """`main(*args)`'s exit code, its output flushed; where stdout's reader has gone (`| head`), the
+    command ends quietly as a shell tool does, exit 1, instead of a BrokenPipeError traceback."""
+    try:
+        code = main(*args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the interpreter flushes stdout again at exit: point it at nothing so that flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return FAILURE_EXIT
 
 
 def missing_package(module: str, needed_by: str) -> str:

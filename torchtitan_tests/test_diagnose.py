@@ -5,6 +5,7 @@ numbers so each rule is tested on exactly the situation it is for.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -562,3 +563,18 @@ def test_advice_table_covers_every_finding_and_fills_its_placeholders(tmp_path):
             run.config.update(extra, data_parallel=mode)
             named |= set(overlap_remedies(mode, shards, run))
     assert named == set(REMEDIES)
+
+
+@pytest.mark.parametrize("command", [["titanlite.diagnose", "LOGS", "--out", "OUT"], ["titanlite.tools.compare", "LOGS"],
+                                     ["estimation", "--estimate.ngpu", "1", "--estimate.output", "OUT/e.json"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(command, tmp_path):
+    """`CMD | head`: stdout's reader is gone before the first line; the command ends with exit 1 and
+    no BrokenPipeError traceback (the estimator's progress lines on stderr stay)."""
+    logs = [str(p) for p in sorted((ROOT / "docs" / "diagnosis" / "h200_presets_1_2_4_clean").glob("run_*.json"))]
+    argv = [a for x in command for a in (logs if x == "LOGS" else [x.replace("OUT", str(tmp_path))])]
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the command writes
+    r = subprocess.run([sys.executable, "-m", *argv], stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    os.close(write)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]

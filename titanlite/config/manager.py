@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from titanlite.config.job_config import JobConfig
 from titanlite.config.settings import parallel_settings, run_mode
-from titanlite.errors import BAD_INPUT_EXIT, ConfigError
+from titanlite.errors import BAD_INPUT_EXIT, ConfigError, to_pipe
 from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import hsdp_shape
@@ -361,14 +361,17 @@ def help_text() -> str:
 
 
 def run_cli(main, argv: list[str] | None = None) -> None:
-    """Run `main(argv)`; a ConfigError becomes one line on stderr and exit code 2."""
+    """Run `main(argv)`; a ConfigError becomes one line on stderr and exit code 2 (and a closed pipe on
+    stdout ends it quietly, errors.to_pipe)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(help_text())
         sys.exit(0)
     try:
-        main(argv)
+        code = to_pipe(main, argv)
     except ConfigError as e:
         if Launch.from_environ().is_main:  # every rank finds the same error: one line
             print(f"error: {e}", file=sys.stderr)
         sys.exit(BAD_INPUT_EXIT)
+    if code:  # the mains return nothing; a code is to_pipe's, where stdout's reader went away
+        sys.exit(code)

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from titanlite.diagnose import DiagnoseError, Settings, diagnose
+from titanlite.errors import to_pipe
 from titanlite.hardware import by_key, keys
 from titanlite.models import MODEL_REGISTRY
 
@@ -92,4 +93,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(to_pipe(main))

@@ -14,6 +14,7 @@ import argparse
 import csv
 import sys
 
+from titanlite.errors import to_pipe
 from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, throughput
 
 COLUMNS = ("Config", "GPUs", "BS", "GA", "MFU", "Tokens/s", "Peak GB", "Loss", "Run")
@@ -69,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(to_pipe(main))

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from titanlite.errors import ConfigError, require
+from titanlite.errors import ConfigError, require, to_pipe
 from titanlite.metrics.run_log import LoggedRun, RunLogError, load_all, mean
 
 # (file stem, run-log key, y label)
@@ -118,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(to_pipe(main))
