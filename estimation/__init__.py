@@ -8,7 +8,15 @@ tokens/s / MFU at calibrated rates. `--estimate.recommend` searches the settings
 batch and writes the best as a TOML. See docs/estimation.md.
 """
 
+from titanlite.errors import ConfigError
+
 
 class EstimateWarning(UserWarning):
     """A fallback an estimate took that can make it less exact. Shown by `python -m estimation` (which
     hides torch's own notices), and an error under the tests (pyproject.toml's pytest filterwarnings)."""
+
+
+class DoesNotFit(ConfigError):
+    """The estimate's answer that a configuration fits the GPU at no batch it may run: a result, which the
+    memory check before a run acts on, unlike an estimate that failed (any other error). A ConfigError,
+    so `python -m estimation` says it in one line with exit code 2."""

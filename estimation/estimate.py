@@ -7,13 +7,14 @@ import os
 import sys
 import time
 
-from titanlite.config import ConfigError, data_parallel_mode, resolve_batch, to_dict
+from titanlite.config import data_parallel_mode, resolve_batch, to_dict
 from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION
 
+from estimation import DoesNotFit
 from estimation.fake_run import FakeRun, StepResult
-from estimation.hardware import auto_attention, get_hardware, gpus_per_node, on_nodes
+from estimation.hardware import auto_attention, get_hardware, gpus_per_node
 from estimation.throughput import assumptions, predict
 
 GIB = 2**30
@@ -184,12 +185,12 @@ def what_could_fit(cfg, args, world: int, budget_of) -> str:
 def estimate(cfg, progress=_progress) -> dict:
     """Memory at the configured batch, the largest batch that fits, and (for a run that fits) the
     throughput model. `report["memory"]["fits"]` False: the configured run cannot exist, and the
-    report holds no throughput."""
+    report holds no throughput. Raises DoesNotFit where the batch search finds not even local batch 1
+    fits; any other error is a failed estimate."""
     t0 = time.perf_counter()
     est = cfg.estimate
     hw = get_hardware(est.hardware)
     world = est.ngpu
-    cfg = on_nodes(cfg, world)
     accum = resolve_batch(cfg, world)
     local = cfg.training.local_batch_size
     args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
@@ -247,7 +248,7 @@ def estimate(cfg, progress=_progress) -> dict:
                 f"its model state alone {state / GIB:.1f} GiB" if state > fits.budget else
                 f"its model state and blocks' inputs {(state + floor) / GIB:.1f} GiB")
         budget_of = lambda n: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, "fsdp")).budget
-        raise ConfigError(
+        raise DoesNotFit(
             f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "
             f"1: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB; what could: "
             f"{what_could_fit(cfg, args, world, budget_of)}")

@@ -8,8 +8,8 @@ so every collective, shard and buffer has the shape it has on the GPUs while no 
 
 It reaches titanlite through seams only: the settings it builds from the config (the GPU's choices
 made explicit: bf16 autocast or FSDP bf16 parameters, fused AdamW), the dims laid out by the
-trainer's own `parallel_dims` over the fake process group it starts (rank 0, the target GPU's memory,
-float8 matmuls), parallelize's `wrap=` for DDP (fake tensors need its own comm hook), and
+trainer's own `parallel_dims` over the fake process group it starts, from the launcher's record of a
+job on nodes of estimate.gpus_per_node (rank 0, the target GPU's memory, float8 matmuls), parallelize's `wrap=` for DDP (fake tensors need its own comm hook), and
 build_optimizer's `update=` (the fused update's bytes, counted as one kernel). Where torch itself
 behaves otherwise on fake CPU tensors than on the GPU (CUDA's fused RMSNorm, DDP's checks that read
 data, ...), estimation.standins holds the stand-in. With compile.enable, torch.compile runs its real
@@ -34,11 +34,11 @@ from titanlite.optim import build_optimizer, eager_master_adamw_update
 from titanlite.parallel.apply import parallelize
 from titanlite.parallel.ddp import ddp_wrapper
 from titanlite.parallel.dims import parallel_dims
-from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import computes_bf16, data_parallel_mode
 from titanlite.step import StepHooks, build_train_step
 
+from estimation.hardware import launch_on_nodes
 from estimation.standins import (cuda_like_kernels, ddp_on_fake_tensors, fsdp_chunks_on_demand, init_without_values,
                                  keep_rebuilt_buckets)
 from estimation.tracker import StepTracker, view_bytes
@@ -173,11 +173,20 @@ class FakeRun:
 
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
             self._own_pg = True
-        # The trainer's layout over the fake group: rank 0, on the CPU that holds fake tensors, with the
-        # target GPU's memory and its float8 matmuls (fake kernels give torch._scaled_mm's shapes on any
-        # device, so torchao's real, non-emulated path runs and its GEMMs are counted as float8)
-        self.dims = parallel_dims(settings.data_parallel, Launch(world_size=world), torch.device("cpu"),
-                                  device_memory, float8=True)
+        self._stack = contextlib.ExitStack()  # the compile capture, which close() ends
+        try:
+            self._build(run_cfg, settings, attention_backend, device_memory)
+        except BaseException:
+            self.close()  # a run that failed to build leaves no fake group behind it
+            raise
+
+    def _build(self, run_cfg, settings, attention_backend: str, device_memory: int | None) -> None:
+        # The trainer's layout over the fake group, from the launcher's record of a job on nodes of
+        # estimate.gpus_per_node: rank 0, on the CPU that holds fake tensors, with the target GPU's memory
+        # and its float8 matmuls (fake kernels give torch._scaled_mm's shapes on any device, so torchao's
+        # real, non-emulated path runs and its GEMMs are counted as float8)
+        launch = launch_on_nodes(run_cfg.estimate, self.world)
+        self.dims = parallel_dims(settings.data_parallel, launch, torch.device("cpu"), device_memory, float8=True)
 
         with torch.device("meta"):
             runnable = attention_backend if issubclass(BACKENDS[attention_backend], (SDPA, Manual)) else "sdpa"
@@ -188,7 +197,6 @@ class FakeRun:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = StepTracker()
         self.hooks = MemoryHooks(self.tracker)
-        self._stack = contextlib.ExitStack()
         if self.compiled:
             from estimation.compiled import capture_compile  # here, not at the top: it imports Dynamo
 

@@ -1,4 +1,4 @@
-"""Which GPU a dry run targets, and the attention kernel it would run there.
+"""Which GPU a dry run targets, the attention kernel it would run there, and the nodes it is laid out on.
 
 The GPU facts themselves (peak, memory, bandwidths, link) are titanlite.hardware's table; the rates
 achieved on them are estimation/calibration.json's.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from titanlite.config import ConfigError
 from titanlite.hardware import GPUS_PER_NODE, Hardware, by_key, keys  # noqa: F401
+from titanlite.parallel.launcher_env import Launch
 
 
 def get_hardware(name: str) -> Hardware:
@@ -27,15 +28,8 @@ def gpus_per_node(est) -> int:
     return est.gpus_per_node or GPUS_PER_NODE
 
 
-def on_nodes(cfg, world: int):
-    """`cfg` as `world` ranks on nodes of estimate.gpus_per_node run it: hsdp's default mesh (both
-    degrees -1) shards inside a node, the node size being what torchrun's LOCAL_WORLD_SIZE gives the
-    training run. A copy where that changes anything, else `cfg` itself."""
-    import copy
-
-    p, node = cfg.parallelism, gpus_per_node(cfg.estimate)
-    if p.data_parallel != "hsdp" or p.replicate_degree != -1 or p.shard_degree != -1 or world % node:
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    cfg.parallelism.shard_degree = min(node, world)
-    return cfg
+def launch_on_nodes(est, world: int) -> Launch:
+    """The launcher's record of a job of `world` ranks on nodes of estimate.gpus_per_node GPUs, as torchrun
+    gives it (LOCAL_WORLD_SIZE: the ranks on one node). The fake run lays its mesh out from it by the
+    trainer's own policy.mesh_shape, so hsdp's default mesh shards inside a node as the training run's."""
+    return Launch(world_size=world, ranks_per_host=min(gpus_per_node(est), world))

@@ -3,12 +3,14 @@ start-up: `python -m estimation.preflight --world-size W --nodes N --hardware KE
 
 It predicts the job's peak memory per GPU on that GPU with `estimation.estimate` (the configured local
 batch, and where that does not fit, the batch search up to it, its answer measured at the accumulation
-it runs with) and prints one JSON line, what the launcher does: {"action": "none" | "warn" | "stop" |
+it runs with), on N nodes of W / N GPUs as the ranks are laid out (hsdp's default mesh shards inside
+a node), and prints one JSON line, what the launcher does: {"action": "none" | "warn" | "stop" |
 "restart", "line": the line to print, "args": the options to restart with}. `stop` names the predicted
 peak, the GPU's memory and the command (C followed by ARGS, the batch options replaced) that fits;
 `restart` (training.memory_fit=adjust, one node) the local batch it starts again at. The global batch
-is kept: the configured one, or local x ranks where it is -1, with the accumulation raised. A
-prediction that fails says so and stops nothing.
+is kept: the configured one, or local x ranks where it is -1, with the accumulation raised. Only the
+estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a prediction that fails
+(any other error, a ConfigError included) says so in its line and stops nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import sys
 import time
 import warnings
 
-from titanlite.config import ConfigError, data_parallel_mode, load_config
+from titanlite.config import data_parallel_mode, load_config
 
 from titanlite.parallel.launcher_env import Launch
 
+from estimation import DoesNotFit
 from estimation.estimate import estimate
 from estimation.hardware import get_hardware
 
@@ -31,21 +34,23 @@ BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size", "traini
 
 
 def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: list[str]) -> dict:
-    """What the launcher does about `cfg` on `world` GPUs of kind `hardware` (a titanlite.hardware key)."""
+    """What the launcher does about `cfg` on `world` GPUs of kind `hardware` (a titanlite.hardware key), on
+    `nodes` nodes of world / nodes each. Raises where the prediction fails (main says so; the job goes on)."""
     t0 = time.perf_counter()
     hw = get_hardware(hardware)
     t = cfg.training
     local = t.local_batch_size
     global_batch = t.global_batch_size if t.global_batch_size != -1 else local * world
     cfg.training.global_batch_size = global_batch  # kept: the search's answer divides it
-    cfg.estimate.hardware, cfg.estimate.ngpu = hardware, world
+    # the job's nodes, as the launcher's record gives them to the ranks: hsdp shards inside one
+    cfg.estimate.hardware, cfg.estimate.ngpu, cfg.estimate.gpus_per_node = hardware, world, world // nodes
     cfg.estimate.search, cfg.estimate.max_local_batch = True, local  # the largest that fits, up to the configured
     mode = data_parallel_mode(cfg, world)
     where = f"{world} x {hw.device_name}" + (f", {mode}" if world > 1 else "")
     try:
         report = estimate(cfg, progress=lambda _line: None)
-    except ConfigError as e:  # not even local batch 1 fits: the estimate says what could
-        return {"action": "stop", "line": f"error: {e}"}
+    except DoesNotFit as e:  # not even local batch 1 fits: the estimate says what could. Any other error
+        return {"action": "stop", "line": f"error: {e}"}  # is a failed prediction, which stops nothing (main)
     m, search = report["memory"], report["batch_search"]
     took = f"{time.perf_counter() - t0:.0f} s"
     if m["fits"]:

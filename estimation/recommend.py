@@ -32,8 +32,9 @@ from titanlite.models import get_model_args
 from titanlite.optim import fitting_warmup
 from titanlite.parallel.modes import MODES
 
+from estimation import DoesNotFit
 from estimation.estimate import GIB, _Fits, floor_bytes, headroom, size, usable_bytes, what_could_fit
-from estimation.hardware import GPUS_PER_NODE, auto_attention, get_hardware, gpus_per_node, on_nodes
+from estimation.hardware import GPUS_PER_NODE, auto_attention, get_hardware, gpus_per_node, launch_on_nodes
 from estimation.throughput import assumptions, predict
 from estimation.tracker import PhaseWork
 
@@ -135,8 +136,7 @@ def _config(cfg, knobs: Knobs, local: int, accum: int, world: int, cuda_graphs: 
                        "training.global_batch_size": local * accum * world, "training.cuda_graphs": cuda_graphs}.items():
         set_key(c, key, value)
     c.estimate.recommend = False
-    c = on_nodes(c, world)  # hsdp's shard degree: the node
-    check_combination(c, world)
+    check_combination(c, world, launch_on_nodes(c.estimate, world).ranks_per_host)  # hsdp: sharded inside a node
     return c
 
 
@@ -179,7 +179,7 @@ def recommend(cfg, progress=_progress) -> dict:
     if not todo:
         least, k = min(((floor_bytes(args, seq, k.mode, world, k.bf16_moments), k) for k in classes(cfg, world, hw)),
                        key=lambda fk: fk[0])
-        raise ConfigError(
+        raise DoesNotFit(
             f"{cfg.model.name}/{cfg.model.flavor} cannot fit on {world} x {est.hardware} in any configuration: its "
             f"model state and one sequence's block inputs take at least {size(least)} per GPU ({k.label()}), "
             f"over the {size(budget(k.mode))} usable; what could: "
@@ -231,9 +231,9 @@ def recommend(cfg, progress=_progress) -> dict:
                 p = g if graphs else p
             candidates.append(Candidate(knobs, b, accum, graphs, peak, p["tokens_per_sec_per_gpu"], p["mfu_pct"], ""))
     if not candidates:
-        raise ConfigError(f"{cfg.model.name}/{cfg.model.flavor} fits no configuration on {world} x {est.hardware} at "
-                          f"seq_len {seq}, even at local batch 1 with full activation checkpointing; what could: "
-                          f"{what_could_fit(cfg, args, world, lambda n: budget('fsdp', n))}")
+        raise DoesNotFit(f"{cfg.model.name}/{cfg.model.flavor} fits no configuration on {world} x {est.hardware} at "
+                         f"seq_len {seq}, even at local batch 1 with full activation checkpointing; what could: "
+                         f"{what_could_fit(cfg, args, world, lambda n: budget('fsdp', n))}")
     candidates.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
     best = _verify(cfg, candidates, world, usable, hw, attention, est.recommend_top, progress)
     return {"target_sequences": seqs, "seq_len": seq, "ngpu": world, "hardware": est.hardware,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titanlite import launch
-from titanlite.config import load_config
+from titanlite.config import ConfigError, load_config
 from titanlite.parallel.launcher_env import Launch
 
 from conftest import ROOT
@@ -285,6 +285,52 @@ def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
     v = preflight(DEBUG + ["--estimate.reserved_gib", "79.19"])
     assert v["action"] == "stop" and "does not fit even at local batch 1" in v["line"]
+
+
+def test_the_check_lays_hsdp_out_on_the_jobs_nodes(monkeypatch):
+    """hsdp on 4 GPUs: on 2 nodes of 2 (NGPU=2 on each) the ranks shard inside their node and replicate
+    across (2 x 2), so each holds half the model state, not the quarter one node of 4 gives it; the
+    prediction's fake run lays its mesh out the same way, and its peak is the larger."""
+    import estimation.estimate
+    from estimation.fake_run import FakeRun
+
+    meshes, peaks = [], []
+
+    class Recorded(FakeRun):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            meshes.append((self.dims.mesh.mesh_dim_names, tuple(self.dims.mesh.shape)))
+
+        def step(self, *args, **kwargs):
+            r = super().step(*args, **kwargs)
+            peaks.append(r.peak_bytes)
+            return r
+
+    monkeypatch.setattr(estimation.estimate, "FakeRun", Recorded)
+    peak = {}
+    for nodes, shape in ((2, (2, 2)), (1, (1, 4))):
+        v = preflight(DEBUG + ["--parallelism.data_parallel", "hsdp"], world=4, nodes=nodes)
+        assert v["action"] == "none" and meshes == [(("dp_replicate", "dp_shard"), shape)], (v, meshes)
+        assert len(peaks) == 1 and f"predicted peak {peaks[0] / 2**30:.2f} GiB per GPU" in v["line"], (v, peaks)
+        peak[nodes] = peaks.pop()
+        meshes.clear()
+    assert peak[2] > peak[1], peak
+
+
+def test_an_error_inside_the_prediction_stops_nothing(monkeypatch, capsys):
+    """Only the estimate's answer that nothing fits stops the job: a ConfigError raised anywhere else
+    inside the prediction is a prediction that failed, said in the line, and the job goes on."""
+    import estimation.estimate
+    from estimation.preflight import main
+
+    def broken(*_args, **_kwargs):
+        raise ConfigError("a planted failure inside the prediction")
+
+    monkeypatch.setattr(estimation.estimate, "FakeRun", broken)
+    main(["--world-size", "1", "--hardware", "h100", "--", *DEBUG])
+    v = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert v == {"action": "none",
+                 "line": "memory check: no prediction (ConfigError: a planted failure inside the prediction)"}
 
 
 def test_a_failed_prediction_says_so_and_stops_nothing():

@@ -48,7 +48,8 @@ def hsdp_shape(dp: DataParallelSettings, world: int, ranks_per_host: int | None 
     """(replicate, shard) degrees of the hsdp mesh; their product must be the world size.
     `ranks_per_host`: the launcher's ranks per host (titanlite.parallel.launcher_env.Launch), None if unknown."""
     rep, shard = dp.replicate_degree, dp.shard_degree
-    if rep == -1 and shard == -1:  # the usual layout: shard inside a node (fast links), replicate across nodes
+    per_host = rep == -1 and shard == -1
+    if per_host:  # the usual layout: shard inside a node (fast links), replicate across nodes
         shard = ranks_per_host or world
     if rep == -1:
         rep = max(1, world // shard)
@@ -56,7 +57,9 @@ def hsdp_shape(dp: DataParallelSettings, world: int, ranks_per_host: int | None 
         shard = max(1, world // rep)
     if rep * shard != world:
         raise ConfigError(f"parallelism.replicate_degree ({rep}) x parallelism.shard_degree ({shard}) "
-                          f"must equal the world size ({world})")
+                          f"must equal the world size ({world})"
+                          + (f"; with both at -1 hsdp shards over a host's {shard} ranks, which do not divide "
+                             f"the world size: set the degrees" if per_host else ""))
     return rep, shard
 
 
