@@ -2,7 +2,8 @@
 
 Prints the memory / batch / throughput table and writes the JSON report (estimate.output, default
 <job.dump_folder>/estimate.json). Exit codes: 0 the configured run fits; 1 it does not fit (the
-report says so first and holds no throughput); 2 bad input (one line on stderr).
+report says so first and holds no throughput); 2 bad input, or a combination the trainer refuses at
+estimate.ngpu ranks (one line on stderr, the trainer's).
 With --estimate.recommend: the best configurations for the target global batch (estimation.recommend).
 """
 
@@ -15,6 +16,7 @@ import warnings
 
 from estimation import EstimateWarning
 from titanlite.config import load_config, run_cli
+from titanlite.config.manager import check_combination
 
 
 def main(argv: list[str]) -> None:
@@ -23,12 +25,16 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("default", category=EstimateWarning)  # the estimate's own fallbacks do
     cfg = load_config(argv)
     from estimation.estimate import estimate, format_report, write_report
+    from estimation.hardware import launch_on_nodes
 
-    if cfg.estimate.recommend:
+    if cfg.estimate.recommend:  # checks each candidate it weighs the same way
         from estimation.recommend import main as recommend
 
         recommend(cfg)
         return
+    # the run estimated is one of estimate.ngpu ranks: refused as the trainer would refuse it there
+    world = cfg.estimate.ngpu
+    check_combination(cfg, world, launch_on_nodes(cfg.estimate, world).ranks_per_host)
     report = estimate(cfg)
     print(format_report(report))
     path = write_report(report, cfg.estimate.output or os.path.join(cfg.job.dump_folder, "estimate.json"))

@@ -14,6 +14,7 @@ from conftest import ROOT
 from titanlite.config import ConfigError, load_config
 from titanlite.config.job_config import Estimate
 from titanlite.models import get_model_args
+from titanlite.parallel.modes import MODES
 
 # debug shapes with a large vocabulary, so per-tensor 512-byte rounding stays far below 1%
 BASE = ["--model.flavor", "debug", "--model.vocab_size", "32768", "--training.seq_len", "32",
@@ -786,3 +787,15 @@ def test_collectives_longer_than_the_compute_slow_only_the_compute_beside_them()
     work["bwd_last"].collectives = [Collective("allreduce_", 1e6, (0, 1))] * 3  # 10 ms each at 0.1 GB/s
     t = predict(work, a, 1, 1000, 1.0, 2)["terms_ms"]
     assert t["comm_total"] > 30 and t["comm_beside"] == pytest.approx(0.5 * 2.0)  # 2 ms of compute beside them
+
+
+def test_the_estimate_refuses_what_the_trainer_refuses_at_its_world_size():
+    """A combination the trainer refuses at estimate.ngpu ranks (CUDA graphs under fsdp) is refused by
+    `python -m estimation` in the trainer's one line, exit 2, not estimated; the same at one rank runs."""
+    base = [sys.executable, "-m", "estimation", "--training.cuda_graphs", "--parallelism.data_parallel", "fsdp",
+            "--estimate.output", os.devnull]
+    r = subprocess.run([*base, "--estimate.ngpu", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + MODES["fsdp"].refuses["training.cuda_graphs"]]
+    r = subprocess.run([*base, "--estimate.ngpu", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
