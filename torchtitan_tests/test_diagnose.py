@@ -301,23 +301,26 @@ def test_same_log_twice_is_refused(tmp_path):
 DOCS = ROOT / "docs"
 
 
-@pytest.mark.parametrize("study,verdict,effs,rank", [
-    ("h200_1_2_4_clean", "healthy", [1.0, 0.885, 0.878], None),
-    ("h200_1_2_4_stall", "compute_stall", [1.0, 0.885, 0.527], None),
-    ("h200_presets_1_2_4_clean", "healthy", [1.0, 0.994, 0.991], None),
-    ("h200_2_4_straggler", "straggler", [1.0, 0.463], 3),
-    ("h200_2_4_p2p_local4", "communication", [1.0, 0.406], None),
-    ("h200_2_4_p2p_local32", "healthy", [1.0, 0.976], None)])
-def test_gpu_reports_keep_their_verdicts(tmp_path, study, verdict, effs, rank):
+@pytest.mark.parametrize("study,verdict,cause,effs,rank", [
+    ("h200_1_2_4_clean", "healthy", "overlap_contention", [1.0, 0.885, 0.878], None),
+    ("h200_1_2_4_stall", "compute_stall", "gpu", [1.0, 0.885, 0.527], None),
+    ("h200_presets_1_2_4_clean", "healthy", "", [1.0, 0.994, 0.991], None),
+    ("h200_2_4_straggler", "straggler", "gpu", [1.0, 0.463], 3),
+    ("h200_2_4_p2p_local4", "communication", "", [1.0, 0.406], None),
+    ("h200_2_4_p2p_local32", "healthy", "slow_link", [1.0, 0.976], None)])
+def test_gpu_reports_keep_their_verdicts(tmp_path, study, verdict, cause, effs, rank):
     """docs/diagnosis' studies on 4 x H200 rerun from what ships: the run logs the reports name (beside
-    them, or docs/observability's real 2-GPU log) give the published verdict, efficiencies and named
-    rank, and the reconstruction reads every log as it says (dense peak, titanlite's FLOPs convention)."""
+    them, or docs/observability's real 2-GPU log) give the published verdict, its cause (NCCL without
+    peer-to-peer at local batch 32: healthy, the all-reduce hidden, but named as a slow link),
+    efficiencies and named rank, and the reconstruction reads every log as it says (dense peak,
+    titanlite's FLOPs convention)."""
     folder = DOCS / "diagnosis" / study
     published = json.loads((folder / "report.json").read_text())
     logs = [str(ROOT / r["path"]) for r in published["runs"]]
     assert [Path(p).is_file() for p in logs] == [True] * len(effs)
     rep = report(tmp_path, *logs)
     assert rep["verdict"] == verdict == published["verdict"]
+    assert rep["findings"][0]["cause"] == cause == published["findings"][0]["cause"]
     assert rep["findings"][0]["evidence"].get("rank") == rank
     assert [r["efficiency"] for r in rep["scaling_efficiency"]["runs"]] == pytest.approx(effs, abs=0.002)
     assert all(r["reading"] == [] and r["plausibility"] == "possible" for r in rep["reconstruction"]["runs"])

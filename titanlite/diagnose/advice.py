@@ -7,7 +7,8 @@ Causes: for the kinds whose checks depend on what computes, "gpu" or "cpu" (a CP
 its host: torchrun gives each of several processes one intra-op thread where a plain one-process
 launch uses every core); "misreport" (the reconstruction found what the logger got wrong) or
 "figures_disagree" (a logged figure disagrees with its own inputs) for measurement_inconsistency;
-"overlap_contention" (compute grew beside overlapped collectives) for a healthy run's largest loss;
+"overlap_contention" (compute grew beside overlapped collectives) or "slow_link" (communication several
+times its prediction, however little of the step it costs) for a healthy run's largest loss;
 "" for a kind's one piece of advice. Texts name their placeholders in braces: {rank} (straggler),
 {fixes} (misreport), {remedies} (the finding's remedies, in the order they measured best).
 """
@@ -73,6 +74,10 @@ ADVICE: dict[tuple[str, str], str] = {
     ("healthy", ""): (
         "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
         "its MFU with the single-GPU baseline."),
+    ("healthy", "slow_link"): (
+        "Run the largest job again with NCCL_DEBUG=INFO and read the transport its rings use (P2P over NVLink inside "
+        "a host; SHM or NET where peer-to-peer is off or unavailable), and measure the link at the gradient size "
+        "(nccl-tests all_reduce_perf) against the figure used here (--link-gbps)."),
     ("healthy", "overlap_contention"): (
         "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
         "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. To shrink "

@@ -109,7 +109,8 @@ class Loss:
     excess_ms_per_step: float
     share_of_step: float
     text: str
-    cause: str = ""  # "overlap_contention": compute grew beside overlapped collectives
+    # "overlap_contention": compute grew beside overlapped collectives; "slow_link": comm many times its prediction
+    cause: str = ""
     remedies: list[str] = field(default_factory=list)  # advice.REMEDIES keys for that cause
     exposed_comm_ms_per_step: float | None = None
 
@@ -805,6 +806,9 @@ def healthy(runs: list[Run], scaling: dict, effs: dict, gbps: dict, mode: str) -
 # data-parallel modes whose gradient (and, for FSDP, parameter) collectives run while backward computes
 
 
+SLOW_LINK = 3.0  # a healthy run's communication this many times its prediction is named, however small
+
+
 def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss | None:
     """Where a healthy run's lost efficiency goes: the phase of the largest run that exceeds its
     prediction from the baseline by the most (at least `floor` of the step), in words. Compute that
@@ -816,7 +820,10 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss 
     if not rows:
         return None
     phase, got, want, excess = max(rows, key=lambda r: r[3])
-    if excess < floor * run.step_ms or excess <= noise[phase]:
+    # communication several times what the baseline and the link predict is named even while it costs
+    # the step little: hidden behind this batch's backward, it shows at a smaller batch or more ranks
+    slow_link = phase == "comm" and want > 0 and got >= SLOW_LINK * want and excess >= floor / 2 * run.step_ms
+    if (excess < floor * run.step_ms and not slow_link) or excess <= noise[phase]:
         return None  # too small to name, or within the step-to-step jitter
     out = Loss(run.label, phase, round(got, 3), round(want, 3), round(excess, 3), round(excess / run.step_ms, 4), "")
     text = (f"The largest loss, in {run.label}: {phase} takes {got:,.1f} ms per step where the baseline predicts "
@@ -828,6 +835,10 @@ def largest_loss(base: Run, run: Run, gbps: float, floor: float = 0.02) -> Loss 
     if overlapped and comm is None:
         text += (f" ({mode}'s exposed communication cannot be told apart from compute in these logs: part of "
                  f"this may be waiting for collectives.)")
+    elif slow_link:
+        out.cause = "slow_link"
+        text += (f" Communication takes {got / want:.1f}x what the baseline and the link predict: hidden behind this "
+                 f"batch's backward, a slower link than the one assumed costs more at a smaller batch or on more GPUs.")
     elif overlapped and comm < excess:
         out.cause, out.exposed_comm_ms_per_step = "overlap_contention", round(comm, 3)
         text += (f" Only {comm:,.1f} ms of communication is exposed, so the likely cause is the {mode} collectives "
