@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -133,22 +134,38 @@ def command(ngpus: int, target: list[str]) -> list[str]:
 
 
 def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Path = ROOT,
-            env: dict | None = None) -> tuple[int | None, str, float]:
-    """Run `cmd` as its own process group; kill the group at `timeout` s. Returns (rc or None, output, seconds)."""
+            env: dict | None = None, timed: bool = False) -> tuple[int | None, str, float]:
+    """Run `cmd` as its own process group; kill the group at `timeout` s. Returns (rc or None, output, seconds).
+    `timed`: each output line prefixed with the seconds since the start when it came ("%7.1f "; timed_lines
+    reads them back)."""
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{name}.log"
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
     with open(log, "w") as fh:
-        p = subprocess.Popen(cmd, cwd=cwd, env=bench_env(env), stdout=fh, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=cwd, env=bench_env(env), stdout=subprocess.PIPE if timed else fh,
+                             stderr=subprocess.STDOUT, text=timed, start_new_session=True)
+        if timed:
+            def stamp():
+                for line in p.stdout:
+                    fh.write(f"{time.time() - t0:7.1f} {line}")
+
+            reader = threading.Thread(target=stamp, daemon=True)
+            reader.start()
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
             _kill_group(p)
+        if timed:
+            reader.join(timeout=10)
     text = log.read_text(errors="replace")
     return rc, text, time.time() - t0
+
+
+def timed_lines(text: str) -> list[tuple[float, str]]:
+    """The (seconds, line) pairs of a timed output (execute's `timed`)."""
+    return [(float(line[:7]), line[8:]) for line in text.splitlines() if line]
 
 
 def execute_nodes(name: str, agents: list[tuple[list[str], dict]], timeout: int, work: Path = WORK, cwd: Path = ROOT,
@@ -266,7 +283,7 @@ def titanlite(name: str, args: list[str], ngpus: int = 1, steps: int = 30, log_f
     """One titanlite training run (`python -m titanlite.train BASE ARGS`); its run log read back. With
     `nodes` > 1, `nodes` torchrun agents on this host stand for as many nodes (node_commands), the
     `ngpus` GPUs split between them; `env` is added to the run's environment."""
-    folder = _fresh(work / name)
+    folder = fresh_folder(work / name)
     target = ["-m", "titanlite.train", *(PEER_SHAPES if base is None else base), *args, "--training.steps", str(steps),
               "--metrics.log_freq", str(log_freq), "--job.dump_folder", str(folder)]
     if nodes > 1:
@@ -284,14 +301,22 @@ def run_train(name: str, args: list[str], ngpus: int = 1, steps: int = 20, log_f
     """`NGPU=ngpus ./run_train.sh ARGS` as a user types it (titanlite.launch: the option check, the memory
     check beside the ranks' start-up, torchrun over this host's GPUs), the interpreter taken as it is
     (TITANLITE_INSTALL=0); its run log read back. `env` is added to the job's environment."""
-    folder = _fresh(work / name)
-    cmd = [str(ROOT / "run_train.sh"), *args, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
-           "--metrics.progress_bar=false", "--job.dump_folder", str(folder)]
-    rc, text, wall = execute(name, cmd, timeout, work, env={"NGPU": str(ngpus), "TITANLITE_INSTALL": "0", **(env or {})})
+    folder = fresh_folder(work / name)
+    cmd, job_env = run_train_command(args, ngpus, steps, log_freq, folder, env)
+    rc, text, wall = execute(name, cmd, timeout, work, env=job_env)
     return _finished(Result(name, ngpus, cmd, rc, wall, error_line(text, rc, timeout), output=text), folder)
 
 
-def _fresh(folder: Path) -> Path:
+def run_train_command(args: list[str], ngpus: int, steps: int, log_freq: int, folder: Path,
+                      env: dict | None = None) -> tuple[list[str], dict]:
+    """The command and environment of `NGPU=ngpus ./run_train.sh ARGS` writing to `folder`, the
+    interpreter taken as it is (TITANLITE_INSTALL=0), `env` added."""
+    cmd = [str(ROOT / "run_train.sh"), *args, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq),
+           "--metrics.progress_bar=false", "--job.dump_folder", str(folder)]
+    return cmd, {"NGPU": str(ngpus), "TITANLITE_INSTALL": "0", **(env or {})}
+
+
+def fresh_folder(folder: Path) -> Path:
     """A run folder without the run logs of an earlier run of the same name."""
     for old in folder.glob("run_*.json") if folder.exists() else ():
         old.unlink()

@@ -20,16 +20,14 @@ preset as written; elsewhere the batch the check chose for it).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import ROOT, WORK, Parser, _kill_group, bench_env, fmt, gpu_names  # noqa: E402
+from launch import (WORK, Parser, execute, fmt, fresh_folder, gpu_names, run_log, run_train_command,  # noqa: E402
+                    timed_lines)
 
 PRESETS = {"llama": "train_configs/llama_1.36b_b200.toml", "qwen": "train_configs/qwen3_1.8b_b200.toml"}
 FIRST_STEP = re.compile(r"^(?:\[rank0\]:)?step\s+1/")
@@ -38,34 +36,12 @@ RESTART = re.compile(r"starting again at local batch (\d+) x accumulation (\d+).
 
 def run(name: str, args: list[str], ngpus: int, steps: int, timeout: int) -> dict:
     """`NGPU=ngpus ./run_train.sh ARGS`, every output line timed from the start; its run log read back."""
-    folder = WORK / name
-    for old in folder.glob("run_*.json") if folder.exists() else ():
-        old.unlink()
-    cmd = [str(ROOT / "run_train.sh"), *args, "--training.steps", str(steps), "--metrics.log_freq", "1",
-           "--metrics.progress_bar=false", "--job.dump_folder", str(folder)]
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: NGPU={ngpus} {' '.join(cmd)}", flush=True)
-    WORK.mkdir(parents=True, exist_ok=True)
-    lines: list[tuple[float, str]] = []
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, cwd=ROOT, env=bench_env({"NGPU": str(ngpus), "TITANLITE_INSTALL": "0"}),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def read():
-        for line in p.stdout:
-            lines.append((time.monotonic() - t0, line.rstrip("\n")))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-        _kill_group(p)
-    reader.join(timeout=10)
-    wall = time.monotonic() - t0
-    (WORK / f"{name}.log").write_text("".join(f"{t:7.1f} {line}\n" for t, line in lines))
-    logs = sorted(folder.glob("run_*[0-9].json"), key=os.path.getmtime)
-    entries = json.loads(logs[-1].read_text()).get("training_iterations", []) if logs else []
+    folder = fresh_folder(WORK / name)
+    cmd, env = run_train_command(args, ngpus, steps, 1, folder)
+    rc, text, wall = execute(name, cmd, timeout, env=env, timed=True)
+    lines = timed_lines(text)
+    log = run_log(folder)
+    entries = json.loads(log.read_text()).get("training_iterations", []) if log else []
     res = {"name": name, "ngpus": ngpus, "cmd": cmd, "rc": rc, "wall_s": round(wall, 1),
            "first_step_s": next((round(t, 1) for t, line in lines if FIRST_STEP.match(line)), None),
            "peak_gib": max((e.get("memory_peak_gb") or 0 for e in entries), default=None),

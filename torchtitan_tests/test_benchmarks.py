@@ -176,6 +176,18 @@ def test_timeout_ends_the_run_and_everything_it_started(tmp_path):
         assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_timed_output_says_when_each_line_came_and_still_times_out(tmp_path):
+    """execute(timed=True), what memory_fit times the memory check's line and the first step by: each line
+    with the seconds since the start; the timeout still ends the run and what it started."""
+    rc, text, _ = launch.execute("stamps", ["bash", "-c", "echo a; sleep 1.5; echo b"], 30, work=tmp_path, timed=True)
+    (ta, a), (tb, b) = launch.timed_lines(text)
+    assert rc == 0 and (a, b) == ("a", "b") and ta < 1.0 <= 1.4 <= tb - ta < 10
+    assert (tmp_path / "stamps.log").read_text() == text
+    rc, text, wall = launch.execute("stamped_sleeper", ["bash", "-c", "sleep 60 & echo $!; wait"], 2,
+                                    work=tmp_path, timed=True)
+    assert rc is None and wall < 30 and [line for _, line in launch.timed_lines(text)][-1].isdigit()
+
+
 def test_launch_runs_titanlite_reads_its_log_and_names_a_bad_option(tmp_path):
     base = ["--model.name", "llama", "--model.flavor", "debug", "--training.dataset", "synthetic",
             "--training.local_batch_size", "2", "--training.seq_len", "32", "--validation.enable=false",
