@@ -16,7 +16,6 @@ import warnings
 
 from estimation import EstimateWarning
 from titanlite.config import load_config, run_cli
-from titanlite.config.manager import check_combination
 
 
 def main(argv: list[str]) -> None:
@@ -25,16 +24,12 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("default", category=EstimateWarning)  # the estimate's own fallbacks do
     cfg = load_config(argv)
     from estimation.estimate import estimate, format_report, write_report
-    from estimation.hardware import launch_on_nodes
 
     if cfg.estimate.recommend:  # checks each candidate it weighs the same way
         from estimation.recommend import main as recommend
 
         recommend(cfg)
         return
-    # the run estimated is one of estimate.ngpu ranks: refused as the trainer would refuse it there
-    world = cfg.estimate.ngpu
-    check_combination(cfg, world, launch_on_nodes(cfg.estimate, world).ranks_per_host)
     report = estimate(cfg)
     print(format_report(report))
     path = write_report(report, cfg.estimate.output or os.path.join(cfg.job.dump_folder, "estimate.json"))

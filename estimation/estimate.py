@@ -8,13 +8,14 @@ import sys
 import time
 
 from titanlite.config import data_parallel_mode, resolve_batch, to_dict
+from titanlite.config.manager import check_combination
 from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
 from titanlite.models.args import FLOPS_CONVENTION
 
 from estimation import DoesNotFit
 from estimation.fake_run import FakeRun, StepResult
-from estimation.hardware import auto_attention, get_hardware, gpus_per_node
+from estimation.hardware import auto_attention, get_hardware, gpus_per_node, launch_on_nodes
 from estimation.throughput import assumptions, predict
 
 GIB = 2**30
@@ -185,12 +186,15 @@ def what_could_fit(cfg, args, world: int, budget_of) -> str:
 def estimate(cfg, progress=_progress) -> dict:
     """Memory at the configured batch, the largest batch that fits, and (for a run that fits) the
     throughput model. `report["memory"]["fits"]` False: the configured run cannot exist, and the
-    report holds no throughput. Raises DoesNotFit where the batch search finds not even local batch 1
-    fits; any other error is a failed estimate."""
+    report holds no throughput. Raises ConfigError for a combination the trainer refuses at
+    estimate.ngpu ranks, DoesNotFit where the batch search finds not even local batch 1 fits; any
+    other error is a failed estimate."""
     t0 = time.perf_counter()
     est = cfg.estimate
     hw = get_hardware(est.hardware)
     world = est.ngpu
+    # the run estimated is one of estimate.ngpu ranks, laid out on its nodes: refused as the trainer refuses it
+    check_combination(cfg, world, launch_on_nodes(est, world).ranks_per_host)
     accum = resolve_batch(cfg, world)
     local = cfg.training.local_batch_size
     args = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size)
