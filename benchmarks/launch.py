@@ -316,6 +316,19 @@ def run_train_command(args: list[str], ngpus: int, steps: int, log_freq: int, fo
     return cmd, {"NGPU": str(ngpus), "TITANLITE_INSTALL": "0", **(env or {})}
 
 
+def estimate(name: str, options: list[str], timeout: int, work: Path = WORK) -> tuple[dict | None, str, float]:
+    """`python -m estimation OPTIONS` (its report in WORK/NAME/estimate.json): (the report, or None with
+    the line that says why; seconds). A run that does not fit (exit 1) has a report, without throughput."""
+    report = work / name / "estimate.json"
+    report.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "estimation", *options, "--estimate.output", str(report), "--job.dump_folder",
+           str(report.parent)]
+    rc, text, wall = execute(name, cmd, timeout, work)
+    if rc not in (0, 1) or not report.exists():
+        return None, error_line(text, rc, timeout) or "no report", wall
+    return json.loads(report.read_text()), "", wall
+
+
 def fresh_folder(folder: Path) -> Path:
     """A run folder without the run logs of an earlier run of the same name."""
     for old in folder.glob("run_*.json") if folder.exists() else ():

@@ -36,9 +36,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,19 +97,15 @@ def busbw(measured: dict, mode: str, per_node: int) -> float:
 
 def predict(mode: str, gbps: float, a, base: list[str], hardware: str) -> tuple[float | None, str]:
     """The estimator's tok/s/GPU for `mode` on k ranks, nodes of one GPU, the network at `gbps` GB/s."""
-    report = Path(tempfile.mkdtemp()) / "estimate.json"
     # every hop is on sockets: nodes of one GPU for the model, hsdp's mesh as the run's (a "node" of k/2)
     mesh = ["--parallelism.shard_degree", str(a.ngpus // 2)] if mode == "hsdp" else []
-    cmd = [sys.executable, "-m", "estimation", *base, "--parallelism.data_parallel", mode, *mesh, *a.extra,
-           "--estimate.ngpu", str(a.ngpus), "--estimate.gpus_per_node", "1", "--estimate.inter_node_gbps",
-           f"{8 * gbps:.4g}", "--estimate.link_efficiency", "1", "--estimate.search=false", "--estimate.hardware",
-           hardware, "--estimate.output", str(report), "--job.dump_folder", str(report.parent)]
-    r = subprocess.run(cmd, cwd=launch.ROOT, capture_output=True, text=True, timeout=a.timeout,
-                       env=launch.bench_env())
-    if r.returncode != 0 or not report.exists():
-        return None, launch.error_line(r.stdout + r.stderr, r.returncode) or "no report"
-    t = json.loads(report.read_text()).get("throughput") or {}
-    return (t.get("overlap") or {}).get("tokens_per_sec_per_gpu"), " ".join(cmd[2:])
+    options = [*base, "--parallelism.data_parallel", mode, *mesh, *a.extra, "--estimate.ngpu", str(a.ngpus),
+               "--estimate.gpus_per_node", "1", "--estimate.inter_node_gbps", f"{8 * gbps:.4g}",
+               "--estimate.link_efficiency", "1", "--estimate.search=false", "--estimate.hardware", hardware]
+    report, error, _ = launch.estimate(f"estimate_{mode}_sockets", options, a.timeout)
+    if report is None or not report["memory"]["fits"]:
+        return None, error or "the estimate says the run does not fit"
+    return (report["throughput"].get("overlap") or {}).get("tokens_per_sec_per_gpu"), " ".join(["estimation", *options])
 
 
 def hardware_key() -> str:

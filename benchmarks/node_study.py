@@ -264,17 +264,12 @@ def pct(predicted, measured) -> float | None:
 
 def predict(options: list[str], k: int, gpu: str, timeout: int) -> dict:
     """`python -m estimation OPTIONS` for k GPUs of `gpu`: predicted peak memory (allocated) and tokens/s per GPU."""
-    name = f"estimate_{gpu}_{k}gpu"
-    report_path = launch.WORK / name / "estimate.json"
-    report_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "estimation", *options, "--estimate.ngpu", str(k), "--estimate.hardware", gpu,
-           "--estimate.search=false", "--estimate.output", str(report_path), "--job.dump_folder", str(report_path.parent)]
-    rc, text, wall = launch.execute(name, cmd, timeout)
-    res = {"options": options, "command": " ".join(["python", *cmd[1:-4]]), "date": time.strftime("%Y-%m-%d"),
-           "elapsed_s": round(wall, 1)}
-    if rc not in (0, 1) or not report_path.exists():  # 1: the run does not fit, which the report says
-        return {**res, "error": launch.error_line(text, rc, timeout) or "no report"}
-    r = json.loads(report_path.read_text())
+    full = [*options, "--estimate.ngpu", str(k), "--estimate.hardware", gpu, "--estimate.search=false"]
+    r, error, wall = launch.estimate(f"estimate_{gpu}_{k}gpu", full, timeout)
+    res = {"options": options, "command": " ".join(["python", "-m", "estimation", *full]),
+           "date": time.strftime("%Y-%m-%d"), "elapsed_s": round(wall, 1)}
+    if r is None:
+        return {**res, "error": error}
     t = (r.get("throughput") or {}).get("overlap") or {}
     return {**res, "peak_gib": r["memory"]["peak_gib"], "fits": r["memory"]["fits"],
             "tokens_per_sec_per_gpu": t.get("tokens_per_sec_per_gpu"), "mfu_pct": t.get("mfu_pct")}
