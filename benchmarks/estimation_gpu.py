@@ -10,7 +10,7 @@ batch, a kernel profile.
     python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
                                                          # full x LLaMA 1.36B and Qwen3 1.8B, two batches each
 
-Each measured case is the real trainer (synthetic data, 8 steps) started through benchmarks/launch.py:
+Each measured case is the real trainer (synthetic data, 20 steps) started through benchmarks/launch.py:
 the one-GPU cases one after another in one worker process, each OOM probe and multi-GPU case in a
 process of its own. Its peak is torch.cuda.max_memory_allocated from the run log, its tokens/s the
 launcher's steady-state mean (log steps after step 8). The predictions run at the same time in a
@@ -48,7 +48,9 @@ QWEN_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_b200.toml")
 QWEN_H100_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_1xh100.toml")
 RUN = ["--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false",
        "--training.dataset", "synthetic", "--data.num_workers", "0", "--compile.enable"]
-STEPS, LOG_FREQ, SKIP = 12, 2, 8  # steady state: the log steps after step 8 (compile and the profile fall before it)
+# steady state: the six log steps after step 8 (compile and the profile fall before it); two were too few
+# where a GPU slows for a step now and then (float8 + ddp on 2 x H100: one of the two 30% slow)
+STEPS, LOG_FREQ, SKIP = 20, 2, 8
 
 # name -> (GPUs, config file, overrides). One-GPU cases run in this order (the first is profiled too).
 CASES = {

@@ -283,7 +283,7 @@ def predict_only(a) -> int:
              for gpu in a.gpus for model in a.models for k in sizes(a.ngpus)]
     if not a.debug:
         cases += [(f"peer {mode}", [*launch.PEER_SHAPES, *compare_peer.SUITES["scaling"][mode], *a.extra], k, gpu)
-                  for gpu in a.gpus for mode in ("ddp", "fsdp") for k in sizes(a.ngpus) if k > 1]
+                  for gpu in a.gpus for mode in compare_peer.SUITES["scaling"] for k in sizes(a.ngpus) if k > 1]
     failed = 0
     for i, (case, options, k, gpu) in enumerate(cases):
         p = done[key(case, gpu, k)] = predict(options, k, gpu, a.timeout)
@@ -304,7 +304,7 @@ def measured(a) -> int:
              f"{a.gpu}; steady after step {a.skip}", "",
              "| run | GPUs | peak alloc GiB | predicted | err % | tok/s/GPU | predicted | err % |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        mode = next((m for m in ("ddp", "fsdp") if r["name"] == f"{m}_{r['ngpus']}gpu"), None)
+        mode = next((m for m in compare_peer.SUITES["scaling"] if r["name"] == f"{m}_{r['ngpus']}gpu"), None)
         p = predictions.get(key(f"peer {mode}", a.gpu, r["ngpus"])) if mode else None
         if p is None or r["error"]:
             continue

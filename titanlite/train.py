@@ -81,6 +81,28 @@ class LogPoint:
     done: Any                  # the mark after this step and the copy to `values`
 
 
+class GarbageCollector:
+    """Python's cyclic garbage collector at steps every rank agrees on. Left to itself it pauses
+    whenever allocations cross its thresholds: on one rank, in the middle of a step, and under data
+    parallelism every other rank waits for that one at the next collective. `interval`: steps between
+    collections of the young generations (0: Python's collector stays on)."""
+
+    def __init__(self, interval: int):
+        self.interval = interval if gc.isenabled() else 0
+        if self.interval:
+            gc.collect()  # what setting up left behind, once
+            gc.disable()
+
+    def step(self, step: int) -> None:
+        if self.interval and step % self.interval == 0:
+            gc.collect(1)
+
+    def close(self) -> None:
+        if self.interval:
+            gc.enable()
+            self.interval = 0
+
+
 def check_writable(folder: str, key: str = "job.dump_folder") -> None:
     """Fail at start-up, not hours in, when outputs cannot be written."""
     try:
@@ -190,6 +212,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
         self.pending: LogPoint | None = None  # a log step whose figures are read once the next step is queued
         self.excluded_s = 0.0  # time in the log interval under way that is not training (`untimed`)
+        self.collector = GarbageCollector(0)  # `train` sets the one it runs with
 
     def run_facts(self) -> RunFacts:
         """What the reporter's startup record and rates need: sizes, device and its bf16 peak."""
@@ -244,6 +267,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         val_loss = None
+        self.collector = GarbageCollector(cfg.training.gc_interval)  # Trainer.close turns Python's back on
         self.interval_start, self.excluded_s = self.timer.mark(), 0.0  # the log interval under way
         self.preemption.install()
         while st.step < cfg.training.steps:
@@ -255,6 +279,7 @@ class Trainer:
                 loss, grad_norm = self.train_step()
             st.step += 1
             st.tokens_seen += self.tokens_per_step
+            self.collector.step(st.step)
             st.losses.append(loss)
             stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
             last = st.step == cfg.training.steps or stop
@@ -362,6 +387,7 @@ class Trainer:
             self.checkpointer.close()  # waits for an async save in flight, still under the signal handler
         finally:
             self.preemption.restore()
+            self.collector.close()
         self.report.close()
 
     def __enter__(self) -> "Trainer":

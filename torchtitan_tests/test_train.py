@@ -144,6 +144,31 @@ def test_skip_of_nonfinite_step(tmp_cache, monkeypatch, fused):
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize("interval", [0, 3])
+def test_garbage_is_collected_at_the_steps_every_rank_agrees_on(tmp_cache, monkeypatch, interval):
+    """gc_interval 3 over 7 steps: Python's collector is off while the steps run, the young generations are
+    collected after steps 3 and 6 and nowhere else, and the collector is on again once the Trainer closes.
+    gc_interval 0 leaves Python's collector on throughout."""
+    import gc
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "7", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
+                       str(tmp_cache), "--metrics.progress_bar=false", "--training.gc_interval", str(interval)])
+    t = Trainer(cfg)
+    seen, train_step = [], t.train_step
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append((t.state.step, generation)))
+
+    def step():
+        seen.append(gc.isenabled())
+        return train_step()
+    monkeypatch.setattr(t, "train_step", step)
+    t.train()
+    t.close()
+    assert seen == [interval == 0] * 7
+    assert collected == ([] if interval == 0 else [(0, 2), (3, 1), (6, 1)])
+    assert gc.isenabled()
+
+
 def test_validation_time_does_not_inflate_throughput(tmp_cache):
     """Validation between log steps is excluded from step time without dropping the steps before it:
     with a 60 ms injected data delay per step, no logged step can be faster than 60 ms."""

@@ -104,6 +104,10 @@ class Training:
                  "the predicted peak, the GPU's memory and the command that fits; adjust = start again at the "
                  "largest local batch that fits and divides the global batch, accumulation raised to keep it "
                  "(said at start-up; one node); off = no prediction. See docs/estimation.md")
+    gc_interval: int = doc(
+        50, "steps between Python garbage collections (young objects only), made at the same step on every rank; "
+            "Python's own collector is off while training. 0 = leave Python's collector on: its pauses land "
+            "at any point of a step on any rank, and under data parallelism every rank waits for them", min=0)
     cuda_graphs: bool = doc(False, "capture the whole training step as a CUDA graph after warm-up (seed: use_cuda_graphs)")
     cuda_graphs_warmup: int = doc(10, "eager steps before capture", min=1)
 
