@@ -88,19 +88,22 @@ class GarbageCollector:
     collections of the young generations (0: Python's collector stays on)."""
 
     def __init__(self, interval: int):
-        self.interval = interval if gc.isenabled() else 0
+        self.interval = interval
+
+    def __enter__(self) -> "GarbageCollector":
+        self.interval = self.interval if gc.isenabled() else 0  # someone else's choice stays theirs
         if self.interval:
             gc.collect()  # what setting up left behind, once
             gc.disable()
+        return self
 
     def step(self, step: int) -> None:
         if self.interval and step % self.interval == 0:
             gc.collect(1)
 
-    def close(self) -> None:
+    def __exit__(self, *exc) -> None:
         if self.interval:
             gc.enable()
-            self.interval = 0
 
 
 def check_writable(folder: str, key: str = "job.dump_folder") -> None:
@@ -212,7 +215,6 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, self.dims.rank, self.device)
         self.pending: LogPoint | None = None  # a log step whose figures are read once the next step is queued
         self.excluded_s = 0.0  # time in the log interval under way that is not training (`untimed`)
-        self.collector = GarbageCollector(0)  # `train` sets the one it runs with
 
     def run_facts(self) -> RunFacts:
         """What the reporter's startup record and rates need: sizes, device and its bf16 peak."""
@@ -267,42 +269,43 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         val_loss = None
-        self.collector = GarbageCollector(cfg.training.gc_interval)  # Trainer.close turns Python's back on
-        self.interval_start, self.excluded_s = self.timer.mark(), 0.0  # the log interval under way
-        self.preemption.install()
-        while st.step < cfg.training.steps:
-            with self.untimed():  # starting or writing a profiler trace
-                self.profiler.step(st.step + 1)
-            # lr, forward/backward over the micro-batches, clip, update (titanlite.step); the log
-            # step before it is read once this step is queued behind it
-            with self.logging_behind():
-                loss, grad_norm = self.train_step()
-            st.step += 1
-            st.tokens_seen += self.tokens_per_step
-            self.collector.step(st.step)
-            st.losses.append(loss)
-            stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
-            last = st.step == cfg.training.steps or stop
-            validating = cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop
-            saving = self.checkpointer.should_save(st.step, last)
-            # log: queue this step's figures, read at once when validation or a save follows
-            if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
-                self.queue_log(grad_norm, now=last or validating or saving)
-            # validate and save: time taken out of the step figures (a save logs its own)
-            with self.untimed():
-                if validating:
-                    val_loss = self.validate()
-                    self.report.log_validation(st.step, val_loss)
-                self.report.advance(st.step)
-                if st.losses and cfg.training.on_nan == "stop" and saving:
-                    self.check_finite_losses()  # never write a checkpoint of NaN weights
-                self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
-            # stop: a signal asked for it (the checkpoint is written)
-            if stop:
-                self.report.info(f"{self.preemption.received}: stopped after step {st.step}; " + (
-                    f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
-                    if cfg.checkpoint.enable else "nothing saved (checkpoint.enable=false)"))
-                break
+        # Python's collector off for the steps, back on however they end
+        with GarbageCollector(cfg.training.gc_interval) as collector:
+            self.interval_start, self.excluded_s = self.timer.mark(), 0.0  # the log interval under way
+            self.preemption.install()
+            while st.step < cfg.training.steps:
+                with self.untimed():  # starting or writing a profiler trace
+                    self.profiler.step(st.step + 1)
+                # lr, forward/backward over the micro-batches, clip, update (titanlite.step); the log
+                # step before it is read once this step is queued behind it
+                with self.logging_behind():
+                    loss, grad_norm = self.train_step()
+                st.step += 1
+                st.tokens_seen += self.tokens_per_step
+                collector.step(st.step)
+                st.losses.append(loss)
+                stop = self.preemption.requested()  # agreed by every rank, so all stop after this step
+                last = st.step == cfg.training.steps or stop
+                validating = cfg.validation.enable and (st.step % cfg.validation.freq == 0 or last) and not stop
+                saving = self.checkpointer.should_save(st.step, last)
+                # log: queue this step's figures, read at once when validation or a save follows
+                if st.step % cfg.metrics.log_freq == 0 or last or st.step == 1:
+                    self.queue_log(grad_norm, now=last or validating or saving)
+                # validate and save: time taken out of the step figures (a save logs its own)
+                with self.untimed():
+                    if validating:
+                        val_loss = self.validate()
+                        self.report.log_validation(st.step, val_loss)
+                    self.report.advance(st.step)
+                    if st.losses and cfg.training.on_nan == "stop" and saving:
+                        self.check_finite_losses()  # never write a checkpoint of NaN weights
+                    self.checkpointer.save(st.step, last=last)  # every checkpoint.interval steps, and the last
+                # stop: a signal asked for it (the checkpoint is written)
+                if stop:
+                    self.report.info(f"{self.preemption.received}: stopped after step {st.step}; " + (
+                        f"checkpoint saved under {self.checkpointer.root}, run the same command to resume"
+                        if cfg.checkpoint.enable else "nothing saved (checkpoint.enable=false)"))
+                    break
         self.checkpointer.wait()  # under the handler: a signal now is noted and cannot cut the save short
         self.preemption.restore()
         self.profiler.close()
@@ -387,7 +390,6 @@ class Trainer:
             self.checkpointer.close()  # waits for an async save in flight, still under the signal handler
         finally:
             self.preemption.restore()
-            self.collector.close()
         self.report.close()
 
     def __enter__(self) -> "Trainer":

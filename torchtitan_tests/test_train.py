@@ -147,9 +147,10 @@ def test_skip_of_nonfinite_step(tmp_cache, monkeypatch, fused):
 @pytest.mark.parametrize("interval", [0, 3])
 def test_garbage_is_collected_at_the_steps_every_rank_agrees_on(tmp_cache, monkeypatch, interval):
     """gc_interval 3 over 7 steps: Python's collector is off while the steps run, the young generations are
-    collected after steps 3 and 6 and nowhere else, and the collector is on again once the Trainer closes.
+    collected after steps 3 and 6 and nowhere else, and the collector is on again once train returns.
     gc_interval 0 leaves Python's collector on throughout."""
     import gc
+    gc.enable()  # as a process starts (another test may have left it off)
     cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "7", "--training.seq_len", "16",
                        "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
                        str(tmp_cache), "--metrics.progress_bar=false", "--training.gc_interval", str(interval)])
@@ -163,10 +164,24 @@ def test_garbage_is_collected_at_the_steps_every_rank_agrees_on(tmp_cache, monke
         return train_step()
     monkeypatch.setattr(t, "train_step", step)
     t.train()
+    assert gc.isenabled()
     t.close()
     assert seen == [interval == 0] * 7
     assert collected == ([] if interval == 0 else [(0, 2), (3, 1), (6, 1)])
+
+
+def test_a_failing_step_leaves_pythons_garbage_collector_on(tmp_cache, monkeypatch):
+    import gc
+    gc.enable()
+    cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "4", "--training.seq_len", "16",
+                       "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
+                       str(tmp_cache), "--metrics.progress_bar=false"])
+    t = Trainer(cfg)
+    monkeypatch.setattr(t, "train_step", lambda: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):
+        t.train()
     assert gc.isenabled()
+    t.close()
 
 
 def test_validation_time_does_not_inflate_throughput(tmp_cache):
