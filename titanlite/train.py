@@ -93,8 +93,7 @@ class GarbageCollector:
     def __enter__(self) -> "GarbageCollector":
         self.interval = self.interval if gc.isenabled() else 0  # someone else's choice stays theirs
         if self.interval:
-            gc.collect()  # what setting up left behind, once
-            gc.disable()
+            gc.disable()  # no full collection first: in a large process it takes up to half a second
         return self
 
     def step(self, step: int) -> None:
