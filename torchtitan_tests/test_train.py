@@ -177,7 +177,10 @@ def test_a_failing_step_leaves_pythons_garbage_collector_on(tmp_cache, monkeypat
                        "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
                        str(tmp_cache), "--metrics.progress_bar=false"])
     t = Trainer(cfg)
-    monkeypatch.setattr(t, "train_step", lambda: (_ for _ in ()).throw(RuntimeError("planted")))
+
+    def failing_step():
+        raise RuntimeError("planted")
+    monkeypatch.setattr(t, "train_step", failing_step)
     with pytest.raises(RuntimeError, match="planted"):
         t.train()
     assert gc.isenabled()
