@@ -11,12 +11,17 @@ same data-parallel mode at the same world size). Only ratios from one call count
   python benchmarks/compare_peer.py --suite scaling,knobs --ngpus 4 --peer  # several GPUs of one host
 --extra adds, beside each configuration, its variant with those options (rows "NAME +EXTRA"): an A/B
 of one knob in the same call; give it once per variant. Steady state: launch.steady (log steps after
---skip). Writes compare_peer.md (the table) and compare_peer.json (every run) to --out.
+--skip). Each row on several GPUs gets its weak scaling against its library's one-GPU runs of the same
+configuration, from this call or from --baseline files (one-GPU calls run side by side, one per GPU of
+the host, before the GPUs are taken together), and each row its spread: how unsteady its log steps were,
+the bar a difference between two rows has to clear. Writes compare_peer.md (the table) and
+compare_peer.json (every run) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -91,16 +96,64 @@ def configurations(suites: list[str], only: set[str], extras: list[str]) -> list
     return rows
 
 
-def table(rows: list[tuple[str, launch.Result, dict[str, launch.Result]]], versions: list[str], skip: int) -> str:
-    """Markdown table. rows: (label, result, {version: the torchtitan result it is compared with})."""
-    head = ["config", "GPUs", "tok/s/GPU", "MFU %", "alloc GiB", "rsrvd GiB", *[f"vs {v}" for v in versions], "note"]
+# titanlite options that do not change what one GPU runs: with one rank every data-parallel mode runs the
+# single-device path, and the rest say how long and where the run logs
+NOT_ONE_GPU_WORK = {"--parallelism.data_parallel", "--training.steps", "--metrics.log_freq", "--job.dump_folder"}
+
+
+def one_gpu_key(r: launch.Result) -> str:
+    """Which one-GPU run a run's weak scaling is taken against: the same torchtitan version, or titanlite
+    with the same options (its data-parallel mode aside)."""
+    if m := re.match(r"torchtitan_([0-9.]+)_", r.name):
+        return f"torchtitan {m.group(1)}"
+    args = r.cmd[r.cmd.index("titanlite.train") + 1:] if "titanlite.train" in r.cmd else list(r.cmd)
+    kept, i = [], 0
+    while i < len(args):
+        if args[i] in NOT_ONE_GPU_WORK:
+            i += 2
+            continue
+        if args[i].split("=", 1)[0] not in NOT_ONE_GPU_WORK:
+            kept.append(args[i])
+        i += 1
+    return "titanlite " + " ".join(kept)
+
+
+def one_gpu_rates(results: list[launch.Result], skip: int) -> dict[str, float]:
+    """one_gpu_key -> the mean tokens/s of the one-GPU runs among `results` (the same configuration run on
+    several GPUs of the host, as --baseline files can bring, counts once per GPU)."""
+    rates: dict[str, list[float]] = {}
+    for r in results:
+        if r.ngpus == 1 and not r.error and (tps := r.figures(skip).get("tps_gpu")):
+            rates.setdefault(one_gpu_key(r), []).append(tps)
+    return {k: sum(v) / len(v) for k, v in rates.items()}
+
+
+def load_results(paths: list[str]) -> list[launch.Result]:
+    """The runs of earlier compare_peer.json files (another call's one-GPU rows, for --baseline)."""
+    out = []
+    for path in paths:
+        for d in json.loads(Path(path).read_text())["runs"]:
+            out.append(launch.Result(**{k: v for k, v in d.items() if k in launch.Result.__dataclass_fields__}))
+    return out
+
+
+def table(rows: list[tuple[str, launch.Result, dict[str, launch.Result]]], versions: list[str], skip: int,
+          baseline: list[launch.Result] = ()) -> str:
+    """Markdown table. rows: (label, result, {version: the torchtitan result it is compared with}).
+    "of 1 GPU": a run on several GPUs against the one-GPU runs of its library and configuration (one_gpu_key)
+    among the rows and `baseline`; "spread %": launch.spread of its steady log steps."""
+    base = one_gpu_rates([r for _, r, _ in rows] + list(baseline), skip)
+    head = ["config", "GPUs", "tok/s/GPU", "of 1 GPU", "spread %", "MFU %", "alloc GiB", "rsrvd GiB",
+            *[f"vs {v}" for v in versions], "note"]
     lines = ["Memory: peaks over the run. torchtitan prints the caching allocator's max reserved memory, so "
-             "compare the rsrvd column; titanlite's max allocated is beside it.",
+             "compare the rsrvd column; titanlite's max allocated is beside it. Weak scaling (of 1 GPU) is "
+             "against the mean of the same library's one-GPU runs of the same configuration; spread is the "
+             "inter-quartile range of the steady log steps' tokens/s over their mean.",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r, refs in rows:
         f = r.figures(skip)
         if r.error:
-            cells = [label, str(r.ngpus), *["-"] * (4 + len(versions)), r.error]
+            cells = [label, str(r.ngpus), *["-"] * (6 + len(versions)), r.error]
         else:
             ratios = []
             for v in versions:
@@ -108,8 +161,11 @@ def table(rows: list[tuple[str, launch.Result, dict[str, launch.Result]]], versi
                 rf = ref.figures(skip) if ref is not None and not ref.error else {}
                 ratios.append(f"{f['tps_gpu'] / rf['tps_gpu']:.3f}" if rf.get("tps_gpu") and f.get("tps_gpu") else "-")
             note = r.startup.get("config", {}).get("attention_backend") or ""
-            cells = [label, str(r.ngpus), launch.fmt(f.get("tps_gpu"), ",.0f"), launch.fmt(f.get("mfu"), ".1f"),
-                     launch.fmt(f.get("mem"), ".2f"), launch.fmt(f.get("reserved"), ".2f"), *ratios, note]
+            one = base.get(one_gpu_key(r)) if r.ngpus > 1 else None
+            scaling = f"{f['tps_gpu'] / one:.1%}" if one and f.get("tps_gpu") else "-"
+            cells = [label, str(r.ngpus), launch.fmt(f.get("tps_gpu"), ",.0f"), scaling, launch.fmt(f.get("spread"), ".1f"),
+                     launch.fmt(f.get("mfu"), ".1f"), launch.fmt(f.get("mem"), ".2f"), launch.fmt(f.get("reserved"), ".2f"),
+                     *ratios, note]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -128,6 +184,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--extra", action="append", default=[], metavar="OPTIONS",
                     help="titanlite options of a variant row beside each configuration; write --extra=\"--a.b v\" "
                          "(a value that starts with -- needs the =); repeat for more variants")
+    ap.add_argument("--baseline", action="append", default=[], metavar="JSON",
+                    help="compare_peer.json of one-GPU runs on this host (e.g. one per GPU, run side by side) "
+                         "that the weak-scaling column takes beside this call's own; repeat for more")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per run")
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/compare_peer"))
     a = ap.parse_args(argv)
@@ -147,6 +206,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     missing = set(filter(None, a.only.split(","))) - all_names
     if missing:
         ap.error(f"--only names no configuration: {', '.join(sorted(missing))}")
+    try:
+        a.baseline_runs = load_results(a.baseline)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--baseline takes compare_peer.json files: {type(e).__name__}: {e}")
     a.rows = configurations(a.suite.split(","), set(filter(None, a.only.split(","))), a.extra)
     if not a.rows:
         ap.error("no configuration of the chosen suites is kept by --only")
@@ -175,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     where = (f"{first.startup['hardware'].get('name')}, torch {first.startup['software'].get('torch')}, "
              if first else "")
     text = (f"{where}LLaMA 1.36B (qwen3 rows: Qwen3 1.8B), local batch 4, seq 2048, {a.steps} steps, "
-            f"steady state after step {a.skip}\n\n" + table(rows, a.versions, a.skip))
+            f"steady state after step {a.skip}\n\n" + table(rows, a.versions, a.skip, a.baseline_runs))
     print("\n" + text)
     launch.save(out, "compare_peer", text, [r for _, r, _ in rows], {"argv": sys.argv[1:] if argv is None else argv})
 

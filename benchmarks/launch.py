@@ -378,7 +378,18 @@ def figures(entries: list[dict], skip: int) -> dict:
         return max(vals) if vals else None
 
     return {"tps_gpu": rates["tokens_per_sec_per_gpu"], "mfu": rates["mfu_pct"], "ms": rates["step_ms"],
-            "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s)}
+            "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s),
+            "spread": spread([e.get("tokens_per_sec_per_gpu") for e in s])}
+
+
+def spread(rates: list) -> float | None:
+    """How unsteady a run's steady log steps were: the inter-quartile range of their tokens/s per GPU
+    (diagnose's jitter measure) as a percentage of their mean; None under two values. A ratio between
+    two runs that differs by less than their spreads is inside their noise."""
+    from titanlite.diagnose.runs import iqr
+
+    vals = [float(v) for v in rates if isinstance(v, (int, float))]
+    return 100 * iqr(vals) / (sum(vals) / len(vals)) if len(vals) >= 2 and sum(vals) > 0 else None
 
 
 def step_losses(entries: list[dict]) -> dict[int, float]:

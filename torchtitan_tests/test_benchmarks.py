@@ -213,7 +213,8 @@ def test_configurations_keep_only_and_add_each_extra_variant():
 def test_peer_flag_runs_every_torchtitan_version_and_bad_input_is_one_line(capsys):
     assert compare_peer.parse_args(["--peer"]).versions == list(launch.PEERS) == ["0.2.2", "0.3.0"]
     assert compare_peer.parse_args(["--peers", "0.3.0", "--only", "compile"]).versions == ["0.3.0"]
-    for bad in (["--peers", "0.4.0"], ["--suite", "best"], ["--only", "nope"], ["--ngpus", "x"]):
+    for bad in (["--peers", "0.4.0"], ["--suite", "best"], ["--only", "nope"], ["--ngpus", "x"],
+                ["--baseline", "/no/such/compare_peer.json"]):
         with pytest.raises(SystemExit) as e:
             compare_peer.parse_args(bad)
         assert e.value.code == 2
@@ -254,6 +255,41 @@ def test_table_gives_each_titanlite_row_its_ratio_to_each_version():
     assert float(mine["vs 0.2.2"]) == pytest.approx(1100 / 1000, abs=1e-3)
     assert mine["vs 0.3.0"] == "-" and mine["note"] == "sdpa_cudnn"  # the failed version has no ratio
     assert "dp_mesh_dims" in by_config["torchtitan 0.3.0"]["note"]
+
+
+def rates_after_warmup(*tps):
+    """Log entries every 5 steps from step 10 (warm-up, slow) on, whose steady tokens/s per GPU are `tps`."""
+    return [{"iter": 10, "tokens_per_sec_per_gpu": 1.0}] + \
+        [{"iter": 15 + 5 * i, "tokens_per_sec_per_gpu": v} for i, v in enumerate(tps)]
+
+
+def test_weak_scaling_is_against_the_same_librarys_one_gpu_runs_and_each_row_shows_its_spread(tmp_path):
+    """"of 1 GPU": a run on several GPUs over the mean of its library's one-GPU runs of the same configuration
+    (its data-parallel mode and run length aside), this call's and --baseline's; "spread %": the inter-quartile
+    range of the steady log steps over their mean."""
+    def ours(name, n, *opts, tps):
+        launcher = ["python3", "-m", "torch.distributed.run", f"--nproc-per-node={n}"] if n > 1 else ["python3"]
+        return launch.Result(name, n, [*launcher, "-m", "titanlite.train", "--compile.enable", *opts,
+                                       "--training.steps", "30", "--job.dump_folder", f"/tmp/{name}"],
+                             0, 1.0, None, rates_after_warmup(*tps))
+
+    on_gpu0 = ours("compile_1gpu", 1, tps=[100.0] * 4)
+    launch.save(tmp_path / "gpu1", "compare_peer", "", [ours("compile_1gpu", 1, tps=[110.0] * 4)])
+    peer1 = launch.Result("torchtitan_0.3.0_1gpu_--training.steps_30", 1, [], 0, 1.0, None, rates_after_warmup(50.0))
+    peer4 = launch.Result("torchtitan_0.3.0_4gpu_--parallelism.data_parallel_replicate_degree_4", 4, [], 0, 1.0, None,
+                          rates_after_warmup(40.0, 45.0, 50.0, 45.0))
+    ddp = ours("ddp_4gpu", 4, "--parallelism.data_parallel", "ddp", tps=[94.5] * 4)
+    float8 = ours("f8_4gpu", 4, "--parallelism.data_parallel=ddp", "--float8.enable", tps=[99.0] * 4)
+    a = compare_peer.parse_args(["--baseline", str(tmp_path / "gpu1" / "compare_peer.json")])
+    rows = [("torchtitan 0.3.0", peer1, {}), ("compile", on_gpu0, {"0.3.0": peer1}),
+            ("torchtitan 0.3.0 ddp", peer4, {}), ("ddp", ddp, {"0.3.0": peer4}), ("float8", float8, {"0.3.0": peer4})]
+    by_config = {r["config"]: r for r in md_tables(compare_peer.table(rows, ["0.3.0"], 10, a.baseline_runs))[0]}
+    assert by_config["ddp"]["of 1 GPU"] == "90.0%"  # 94.5 over (100 + 110) / 2
+    assert by_config["torchtitan 0.3.0 ddp"]["of 1 GPU"] == "90.0%"  # 45 over its own version's 50
+    assert by_config["float8"]["of 1 GPU"] == "-"  # no one-GPU run of that configuration
+    assert by_config["compile"]["of 1 GPU"] == "-" and float(by_config["compile"]["vs 0.3.0"]) == 2.0
+    assert float(by_config["ddp"]["spread %"]) == 0.0
+    assert float(by_config["torchtitan 0.3.0 ddp"]["spread %"]) == pytest.approx(100 * 2.5 / 45, abs=0.05)
 
 
 # ---------------------------------------------------------------------------------- attention.py
