@@ -24,9 +24,11 @@ PARAMS = 1_294_159_104
 
 
 def make_log(path, world, step_ms, *, local=8, accum=4, seq=2048, precision="bfloat16", memory=61.2,
-             tps=None, phases=None, flat_breakdown=None, entries=12, log_freq=10, gpu="NVIDIA B200", peak=2250.0):
+             tps=None, phases=None, flat_breakdown=None, entries=12, log_freq=10, gpu="NVIDIA B200", peak=2250.0,
+             gpu_readings=None):
     """A run log as titanlite writes it. `phases`: {phase: ms per step} for every rank, or
-    {rank: {phase: ms}}; `tps` overrides the logged tokens/s (a buggy logger)."""
+    {rank: {phase: ms}}; `tps` overrides the logged tokens/s (a buggy logger); `gpu_readings`: the GPU's
+    own readings (gpu_util_pct, power_w, sm_clock_mhz) of every rank and log step."""
     tokens_per_step = local * accum * world * seq
     config = {"world_size": world, "batch_size": local, "gradient_accumulation_steps": accum,
               "global_batch_size": local * accum * world, "seq_len": seq, "compile": True, "use_cuda_graphs": False,
@@ -49,10 +51,11 @@ def make_log(path, world, step_ms, *, local=8, accum=4, seq=2048, precision="bfl
             for r in range(world):
                 ph = {f"{p}_ms": v * t / step_ms for p, v in per_rank[r].items()}
                 known = sum(v for v in ph.values() if v is not None)
-                ranks.append({"rank": r, "step_ms": t, "idle_ms": max(t - known, 0.0), **ph})
+                ranks.append({"rank": r, "step_ms": t, "idle_ms": max(t - known, 0.0), **ph, **(gpu_readings or {})})
             e["breakdown"] = {"ranks": ranks, "method": "cuda_events", "slowest_rank": 0, "stats": {}}
         if flat_breakdown is not None:
             e["breakdown"] = dict(flat_breakdown)
+        e.update(gpu_readings or {})
         its.append(e)
     log = {"startup_info": {"config": config, "hardware": {"device": "cuda", "name": gpu, "count": world,
                                                           "peak_tflops_per_gpu": peak},
@@ -123,6 +126,36 @@ def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
     else:
         assert stall["evidence"]["compute_ms_per_micro_step"] == pytest.approx(5700 / 4, rel=0.05)
     assert first_line_claims(tmp_path, rep) == ({"compute_stall"}, {rep["confidence"]})
+
+
+@pytest.mark.parametrize("with_breakdown", [False, True])
+@pytest.mark.parametrize("readings, cause, says", [
+    ({"gpu_util_pct": 78.0, "power_w": 626.0, "sm_clock_mhz": 1935.0}, "gpu_waiting", "waited inside the step"),
+    ({"gpu_util_pct": 100.0, "power_w": 700.0, "sm_clock_mhz": 1400.0}, "gpu_throttled", "ran at lower clocks"),
+    ({"gpu_util_pct": 100.0, "power_w": 330.0, "sm_clock_mhz": 1560.0}, "gpu_waiting", "kernels waiting"),
+    ({"gpu_util_pct": 99.0, "power_w": 695.0, "sm_clock_mhz": 1650.0}, "gpu", ""),
+    (None, "gpu", "")])
+def test_a_compute_stall_tells_from_the_gpus_readings_whether_they_waited_or_ran_slower(tmp_path, readings, cause,
+                                                                                          says, with_breakdown):
+    """The shape of 4 x H100 fsdp runs on a disturbed host: compute 1.38x one GPU's. Where the GPUs' utilisation
+    fell 10 points or more under the baseline's they waited (host, copy-engine collectives), as they did where they
+    stayed busy on a quarter less power (kernels spinning in a wait); busy at a clock 10% lower they were
+    throttled; otherwise, or without readings, the kernels themselves are slower."""
+    base = {"gpu_util_pct": 100.0, "power_w": 690.0, "sm_clock_mhz": 1605.0}
+    a = make_log(tmp_path / "a.json", 1, 138.3, accum=1, phases={"compute": 123.3, "optimizer": 15.0} if with_breakdown
+                 else None, gpu_readings=base)
+    b = make_log(tmp_path / "b.json", 4, 175.3, accum=1, phases={"compute": 169.6, "optimizer": 3.7} if with_breakdown
+                 else None, gpu_readings=readings)
+    rep = report(tmp_path, a, b)
+    stall = rep["findings"][0]
+    assert rep["verdict"] == "compute_stall" and stall["cause"] == cause
+    assert stall["next_check"] == advise("compute_stall", cause)
+    assert says in stall["title"] and ("wait" in stall["title"]) == (cause == "gpu_waiting")
+    if readings:
+        assert stall["evidence"]["gpu_util_pct"] == readings["gpu_util_pct"]
+        assert stall["evidence"]["baseline_sm_clock_mhz"] == base["sm_clock_mhz"]
+    else:
+        assert "gpu_util_pct" not in stall["evidence"]
 
 
 def test_healthy_pair_and_warmup_excluded(tmp_path):
@@ -307,9 +340,11 @@ DOCS = ROOT / "docs"
     ("h200_presets_1_2_4_clean", "healthy", "", [1.0, 0.994, 0.991], None),
     ("h200_2_4_straggler", "straggler", "gpu", [1.0, 0.463], 3),
     ("h200_2_4_p2p_local4", "communication", "", [1.0, 0.406], None),
-    ("h200_2_4_p2p_local32", "healthy", "slow_link", [1.0, 0.976], None)])
+    ("h200_2_4_p2p_local32", "healthy", "slow_link", [1.0, 0.976], None),
+    ("h100_1_4_fsdp_clean", "healthy", "overlap_contention", [1.0, 0.989], None),
+    ("h100_1_4_fsdp_disturbed", "compute_stall", "gpu_waiting", [1.0, 0.789], None)])
 def test_gpu_reports_keep_their_verdicts(tmp_path, study, verdict, cause, effs, rank):
-    """docs/diagnosis' studies on 4 x H200 rerun from what ships: the run logs the reports name (beside
+    """docs/diagnosis' studies on 4 x H200 and 4 x H100 rerun from what ships: the run logs the reports name (beside
     them, or docs/observability's real 2-GPU log) give the published verdict, its cause (NCCL without
     peer-to-peer at local batch 32: healthy, the all-reduce hidden, but named as a slow link),
     efficiencies and named rank, and the reconstruction reads every log as it says (dense peak,

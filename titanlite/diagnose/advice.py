@@ -7,6 +7,8 @@ Causes: for the kinds whose checks depend on what computes, "gpu" or "cpu" (a CP
 its host: torchrun gives each of several processes one intra-op thread where a plain one-process
 launch uses every core); "misreport" (the reconstruction found what the logger got wrong) or
 "figures_disagree" (a logged figure disagrees with its own inputs) for measurement_inconsistency;
+"gpu_waiting" (the GPUs' utilisation or power fell: they waited) or "gpu_throttled" (as busy, lower clocks) for a
+compute_stall whose logs carry the GPUs' own readings;
 "overlap_contention" (compute grew beside overlapped collectives) or "slow_link" (communication several
 times its prediction, however little of the step it costs) for a healthy run's largest loss;
 "" for a kind's one piece of advice. Texts name their placeholders in braces: {rank} (straggler),
@@ -26,6 +28,21 @@ ADVICE: dict[tuple[str, str], str] = {
         "`nvidia-smi --query-gpu=index,clocks.sm,clocks_throttle_reasons.active,temperature.gpu,power.draw "
         "--format=csv -l 1` for throttling, and check CPU oversubscription (ranks x OMP_NUM_THREADS x data workers "
         "<= cores). Then rerun the larger config on 1 GPU with the same local batch: its compute per micro-step "
+        "should match the baseline."),
+    ("compute_stall", "gpu_waiting"): (
+        "The GPUs spent part of each step waiting (no kernel running, or kernels that wait), so look at what for. "
+        "A slower rank first: the per-rank breakdown and `nvidia-smi` for one GPU shared or throttled. The host: other "
+        "load on the machine (top; ranks x OMP_NUM_THREADS x (1 + data workers) <= cores), each rank's CPU and "
+        "NUMA binding, and the gaps between kernels in a profile of a few steps (--profiling.enable); a step "
+        "whose host time is close to its GPU time shows every host hiccup (fewer launches: --compile.enable, a "
+        "larger local batch). Then the link: collectives on the copy engines (fsdp's parameter gathers with "
+        "parallelism.fsdp_copy_engine_all_gather) leave the GPU idle while a slow or shared link holds them: "
+        "rerun with it off, and measure the link (nccl-tests) while the job runs."),
+    ("compute_stall", "gpu_throttled"): (
+        "The GPUs were busy but clocked lower than in the baseline: read the throttle reasons while the job runs "
+        "(`nvidia-smi --query-gpu=index,clocks.sm,clocks_throttle_reasons.active,temperature.gpu,power.draw,"
+        "power.limit --format=csv -l 1`): a power cap, heat, or a clock limit set on some GPUs (nvidia-smi -q -d "
+        "CLOCK). Then rerun the larger config on 1 GPU with the same local batch: its compute per micro-step "
         "should match the baseline."),
     ("compute_stall", CPU): (
         "Per-process work is equal, so each process should compute as fast at every world size. Compare threads "

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from titanlite.diagnose.advice import ADVICE, advise, device_cause
 from titanlite.diagnose.reconstruct import HARDWARE_FLAG, MISREPORTS, MODEL_FLAG, Reconstruction, registry_args
-from titanlite.diagnose.runs import PHASES, Run, iqr
+from titanlite.diagnose.runs import GPU_READINGS, PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
 from titanlite.parallel.modes import MODES
@@ -55,6 +55,9 @@ class Thresholds:
     efficiency_ok: float = 0.80  # below this, a run is not healthy even when no single phase stands out
     min_steady: int = 3  # fewer steady log entries than this lowers the confidence
     suspect_share: float = 0.05  # a reading needing less than this share of the dense peak is suspect
+    busy_drop: float = 10.0  # GPU utilisation this many points under the baseline's: the GPUs waited, not computed
+    clock_drop: float = 0.10  # SM clock this share under the baseline's at the same utilisation: throttled
+    power_drop: float = 0.25  # power this share under the baseline's at the same utilisation: kernels that wait
 
 
 @dataclass
@@ -422,9 +425,46 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         if eff is not None:
             ev["scaling_efficiency"] = eff
         cause = device_cause(run.device) if (kind, device_cause(run.device)) in ADVICE else ""
+        if kind == "compute_stall":
+            cause, readings, why = stall_cause(base, run, th)
+            ev.update(readings)
+            title += why
         findings.append(Finding(kind, severity(excess / step), title, ev, advise(kind, cause), score=excess / step,
                                 run=run.label, cause=cause))
     return findings
+
+
+def stall_cause(base: Run, run: Run, th: Thresholds) -> tuple[str, dict, str]:
+    """Why a GPU run's compute grew, from the GPUs' own readings (Run.gpu_reading) against the baseline's:
+    (cause, evidence, a sentence for the title). `gpu_waiting`: utilisation fell (no kernel ran for part of
+    the interval: the GPUs waited for the host, or for collectives that run without kernels), or the GPUs
+    stayed busy on far less power (a collective's kernel spinning while it waits for a peer counts as busy);
+    `gpu_throttled`: busy as before at a lower SM clock; otherwise device_cause's (kernels slowed, or
+    nothing to tell)."""
+    cause = device_cause(run.device)
+    got = {k: (run.gpu_reading(k), base.gpu_reading(k)) for k in GPU_READINGS}
+    ev = {name: round(v, 1) for k, pair in got.items() if None not in pair
+          for name, v in ((k, pair[0]), (f"baseline_{k}", pair[1]))}
+    (util, util0), (watts, watts0), (clock, clock0) = (got[k] for k in GPU_READINGS)
+    if cause != device_cause("cuda") or util is None or util0 is None:
+        return cause, ev, ""
+    power = f", {watts:,.0f} W against {watts0:,.0f}" if watts is not None and watts0 is not None else ""
+    clocks = f" at {clock:,.0f} MHz against {clock0:,.0f}" if clock is not None and clock0 is not None else ""
+    if util <= util0 - th.busy_drop:
+        return "gpu_waiting", ev, (
+            f" The GPUs ran kernels {util:.0f}% of the time against {util0:.0f}% in the baseline{clocks}{power}: "
+            f"they waited inside the step (for the host, or for collectives that run without kernels) rather than "
+            f"computing slower.")
+    if watts is not None and watts0 and watts <= (1 - th.power_drop) * watts0:
+        return "gpu_waiting", ev, (
+            f" The GPUs were as busy as in the baseline ({util:.0f}% against {util0:.0f}%) on {watts:,.0f} W against "
+            f"{watts0:,.0f}{clocks}: part of that was kernels waiting (a collective spins while it waits for a slower "
+            f"rank or link) rather than computing.")
+    if clock is not None and clock0 and clock <= (1 - th.clock_drop) * clock0:
+        return "gpu_throttled", ev, (
+            f" The GPUs were as busy as in the baseline ({util:.0f}% against {util0:.0f}%){clocks}{power}: "
+            f"they ran at lower clocks.")
+    return cause, ev, ""
 
 
 def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | None) -> list[Finding]:
@@ -467,7 +507,11 @@ def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | N
         title = (f"{run.label} vs {base.label}: the step grows by {excess:,.1f} ms beyond the per-GPU work, about what "
                  f"gradient communication can cost ({comm_extra:,.1f} ms at {gbps:g} GB/s); log a breakdown to confirm.")
         kind = "communication"
-    cause = device_cause(run.device) if kind == "compute_stall" else ""
+    cause = ""
+    if kind == "compute_stall":
+        cause, readings, why = stall_cause(base, run, th)
+        ev.update(readings)
+        title += why
     return [Finding(kind, severity(excess / run.step_ms), title, ev, advise(kind, cause),
                     score=max(excess, 0.0) / run.step_ms, run=run.label, cause=cause)]
 

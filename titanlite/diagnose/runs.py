@@ -21,6 +21,9 @@ from pathlib import Path
 from titanlite.metrics.run_log import STEADY_RULE, THROUGHPUT_RULE, LoggedRun, RunLogError, ran, steady, throughput
 
 PHASES = ("data", "compute", "comm", "optimizer", "idle")
+# the GPU's own readings a titanlite log carries per rank and log step (titanlite.metrics.nvml): the share of
+# the interval with a kernel running, board power, SM clock
+GPU_READINGS = ("gpu_util_pct", "power_w", "sm_clock_mhz")
 WARMUP_RULE = (STEADY_RULE + ". Step time and phase times are medians over the steady entries (a stray slow entry "
                "does not move them); the logged tokens/s and MFU are their means, the run's throughput as every "
                "tool reports it (" + THROUGHPUT_RULE + ")")
@@ -130,6 +133,17 @@ class Run:
     @property
     def step_jitter_ms(self) -> float:
         return iqr(e.get("time_ms") for e in self.entries)
+
+    def gpu_reading(self, key: str) -> float | None:
+        """Median over the steady entries and every rank of one of the GPU's own readings titanlite logs
+        (GPU_READINGS): each rank's from the per-rank breakdown where there is one, else the entry's (its
+        logging rank). None where the log has none (other trainers' logs, CPU runs)."""
+        vals = []
+        for e in self.entries:
+            ranks = (e.get("breakdown") or {}).get("ranks") if isinstance(e.get("breakdown"), dict) else None
+            got = [r[key] for r in ranks or [] if isinstance(r, dict) and isinstance(r.get(key), (int, float))]
+            vals += got or ([e[key]] if isinstance(e.get(key), (int, float)) else [])
+        return median(vals)
 
     def phase_over_ranks(self, phase: str, how=min) -> float | None:
         """A phase's ms per step reduced over ranks: `min` = what even the fastest rank pays, which
