@@ -21,7 +21,6 @@ compare_peer.json (every run) to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -128,15 +127,6 @@ def one_gpu_rates(results: list[launch.Result], skip: int) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in rates.items()}
 
 
-def load_results(paths: list[str]) -> list[launch.Result]:
-    """The runs of earlier compare_peer.json files (another call's one-GPU rows, for --baseline)."""
-    out = []
-    for path in paths:
-        for d in json.loads(Path(path).read_text())["runs"]:
-            out.append(launch.Result(**{k: v for k, v in d.items() if k in launch.Result.__dataclass_fields__}))
-    return out
-
-
 def table(rows: list[tuple[str, launch.Result, dict[str, launch.Result]]], versions: list[str], skip: int,
           baseline: list[launch.Result] = ()) -> str:
     """Markdown table. rows: (label, result, {version: the torchtitan result it is compared with}).
@@ -207,7 +197,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if missing:
         ap.error(f"--only names no configuration: {', '.join(sorted(missing))}")
     try:
-        a.baseline_runs = load_results(a.baseline)
+        a.baseline_runs = [r for path in a.baseline for r in launch.load(path)]
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"--baseline takes compare_peer.json files: {type(e).__name__}: {e}")
     a.rows = configurations(a.suite.split(","), set(filter(None, a.only.split(","))), a.extra)

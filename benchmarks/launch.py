@@ -456,6 +456,12 @@ def save(out: Path, stem: str, table: str, results: list[Result], extra: dict | 
     (out / f"{stem}.json").write_text(json.dumps({**(extra or {}), "runs": runs}, indent=1, default=str))
 
 
+def load(path: str | Path) -> list[Result]:
+    """The runs a script's JSON holds (what `save` wrote), as Results."""
+    runs = json.loads(Path(path).read_text())["runs"]
+    return [Result(**{k: v for k, v in d.items() if k in Result.__dataclass_fields__}) for d in runs]
+
+
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 

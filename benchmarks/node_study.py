@@ -298,18 +298,18 @@ def predict_only(a) -> int:
 
 def measured(a) -> int:
     """compare_peer's titanlite runs (its JSON) against the predictions of the same options and world size."""
-    runs = json.loads(Path(a.measured).read_text())["runs"]
+    runs = launch.load(a.measured)
     predictions = json.loads(Path(a.predictions).read_text()) if Path(a.predictions).exists() else {}
     lines = [f"compare_peer's runs ({a.measured}) against the estimate made before the call ({a.predictions}), "
              f"{a.gpu}; steady after step {a.skip}", "",
              "| run | GPUs | peak alloc GiB | predicted | err % | tok/s/GPU | predicted | err % |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        mode = next((m for m in compare_peer.SUITES["scaling"] if r["name"] == f"{m}_{r['ngpus']}gpu"), None)
-        p = predictions.get(key(f"peer {mode}", a.gpu, r["ngpus"])) if mode else None
-        if p is None or r["error"]:
+        mode = next((m for m in compare_peer.SUITES["scaling"] if r.name == f"{m}_{r.ngpus}gpu"), None)
+        p = predictions.get(key(f"peer {mode}", a.gpu, r.ngpus)) if mode else None
+        if p is None or r.error:
             continue
-        f = launch.figures(r["entries"], a.skip)
-        lines.append(f"| {r['name']} | {r['ngpus']} | {launch.fmt(f.get('mem'), '.2f')} | {launch.fmt(p.get('peak_gib'), '.2f')} | "
+        f = r.figures(a.skip)
+        lines.append(f"| {r.name} | {r.ngpus} | {launch.fmt(f.get('mem'), '.2f')} | {launch.fmt(p.get('peak_gib'), '.2f')} | "
                      f"{launch.fmt(pct(p.get('peak_gib'), f.get('mem')), '+.1f')} | {launch.fmt(f.get('tps_gpu'), ',.0f')} | "
                      f"{launch.fmt(p.get('tokens_per_sec_per_gpu'), ',.0f')} | "
                      f"{launch.fmt(pct(p.get('tokens_per_sec_per_gpu'), f.get('tps_gpu')), '+.1f')} |")
