@@ -538,6 +538,46 @@ def test_fsdp_reduces_the_head_before_the_embedding(name):
         assert len(rs) == a.n_layers + 2 and rs[0] == head and rs[-1] == embedding
 
 
+@pytest.mark.parametrize("name,flavor,per", [("llama", "1.36B", 3), ("qwen3", "1.8B", 3), ("llama", "8B", 1),
+                                               ("llama", "debug", 1)])
+def test_fsdp_auto_groups_blocks_of_small_models(name, flavor, per):
+    """fsdp_blocks_per_group=0 (auto): enough consecutive blocks for GROUP_MIN_PARAMS a group, at least
+    MIN_BLOCK_GROUPS groups; a number is taken as it is, up to every block."""
+    import torch
+
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel.fsdp import GROUP_MIN_PARAMS, MIN_BLOCK_GROUPS, blocks_per_group
+
+    args = get_model_args(name, flavor)
+    with torch.device("meta"):
+        block = build_model(args).layers["0"]
+    params = sum(p.numel() for p in block.parameters())
+    assert blocks_per_group(0, params, args.n_layers) == per
+    if per > 1:  # the smallest such group
+        assert (per - 1) * params < GROUP_MIN_PARAMS <= per * params or args.n_layers // per < MIN_BLOCK_GROUPS
+    assert blocks_per_group(2, params, args.n_layers) == 2 and blocks_per_group(99, params, args.n_layers) == args.n_layers
+    assert blocks_per_group(0, 1, 12) == 12 // MIN_BLOCK_GROUPS  # tiny blocks: still four groups
+
+
+def test_fsdp_grouped_blocks_gather_once_a_group():
+    """Two blocks a group: the fake run (and so the estimate) records one gather for each group of blocks,
+    each twice as large, and the same bytes in all."""
+    from estimation.fake_run import FakeRun
+
+    gathers = {}
+    for per in ("1", "2"):
+        cfg = load_config(["--model.flavor", "debug", "--training.seq_len", "64", "--parallelism.data_parallel", "fsdp",
+                           "--parallelism.fsdp_blocks_per_group", per])
+        run = FakeRun(cfg, 2)
+        try:
+            gathers[per] = [moved for op, moved, _ in run.step(2).work["fwd_last"].collectives if "allgather" in op]
+        finally:
+            run.close()
+    n_layers = 4  # the debug flavor's; the root and the head's group gather once each in both runs
+    assert len(gathers["1"]) - len(gathers["2"]) == n_layers // 2
+    assert sum(gathers["1"]) == sum(gathers["2"]) and max(gathers["2"]) >= 2 * sorted(gathers["1"])[len(gathers["1"]) // 2]
+
+
 def test_hidden_collectives_slow_the_compute_beside_them():
     """A calibrated share of each hidden collective's time is added to the compute it hides behind (per
     kind: all-reduce, or gather and reduce-scatter); a run with no collective is unchanged, and a zero

@@ -54,6 +54,12 @@ DIST_RUNS = {
     "fsdp_reshard_never": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_reshard_after_forward",
                                "never"]),
     "fsdp_ac_full": (4, ["--parallelism.data_parallel", "fsdp", "--activation_checkpoint.mode", "full"]),
+    # blocks grouped: two groups of two; then 3 + 1 with each group's gathers freed after forward and the
+    # blocks recomputed in backward
+    "fsdp_groups2": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_blocks_per_group", "2"]),
+    "fsdp_groups3_ac_reshard": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_blocks_per_group", "3",
+                                    "--activation_checkpoint.mode", "full",
+                                    "--parallelism.fsdp_reshard_after_forward", "always"]),
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
     "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16"]),
 }
@@ -85,9 +91,24 @@ def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
                              # the wrapper's collectives over it (DDP's group, FSDP's mesh)
                              "job_mesh": dict(zip(t.dims.mesh.mesh_dim_names, t.dims.mesh.shape)),
                              "dp": [t.dims.dp_size, t.dims.dp_rank],
+                             "block_groups": block_groups(t.model),
                              "wrapper_on_job_mesh": (t.model.process_group is t.dims.mesh.get_group("dp_replicate")
                                                      if hasattr(t.model, "process_group")
                                                      else params[0].device_mesh == t.dims.mesh)}
+
+
+def block_groups(model) -> list[list[str]] | None:
+    """The transformer blocks of each FSDP group, in order (None when the model is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not hasattr(model, "layers"):  # a DDP wrapper
+        return None
+    states = {}
+    for name, block in model.layers.items():
+        if not isinstance(block, FSDPModule):
+            return None
+        states.setdefault(id(fully_shard.state(block)), []).append(name)
+    return list(states.values())
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +135,10 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     assert results["ddp"]["job_mesh"] == results["zero1"]["job_mesh"] == {"dp_replicate": 2}
     assert results["fsdp"]["job_mesh"] == {"dp_shard": 2}
     assert results["hsdp_2x1"]["job_mesh"] == {"dp_replicate": 2, "dp_shard": 1}
+    # the blocks' FSDP groups as set (the test model's four blocks: auto makes one group each)
+    assert results["fsdp"]["block_groups"] == [["0"], ["1"], ["2"], ["3"]] and results["ddp"]["block_groups"] is None
+    assert results["fsdp_groups2"]["block_groups"] == [["0", "1"], ["2", "3"]]
+    assert results["fsdp_groups3_ac_reshard"]["block_groups"] == [["0", "1", "2"], ["3"]]
     for name, r in results.items():
         assert r["world"] == 2 and r["mode"] == DIST_RUNS[name][1][1]
         assert r["dp"] == [2, 0] and r["wrapper_on_job_mesh"], name

@@ -8,6 +8,7 @@ parallelism.fsdp_copy_engine_all_gather puts them (titanlite.parallel.copy_engin
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn as nn
@@ -35,28 +36,58 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
     return setting != "never"
 
 
+# fsdp_blocks_per_group=0 (auto): FSDP's hooks cost the host about the same time for every group whatever its
+# size (gather, copy-out, reduce-scatter, autograd hooks: about 3 ms a step per group on an H200 host), so a
+# group of blocks holds at least this many parameters, enough GPU work to keep the host ahead of it. On 2 x
+# H200, LLaMA 1.36B (64M a block) ran as fast at 2 and 3 blocks a group as at one, its host needing 61-76 ms of
+# a 137 ms step instead of 93-106; with every CPU of the host also busy, one block a group ran at 1.60x its
+# quiet step time, two at 1.19x, three at 1.01x (docs/performance.md).
+GROUP_MIN_PARAMS = 150_000_000
+# ... while keeping at least this many groups of blocks, so that each gather and reduce-scatter has others'
+# compute to hide behind (small models would otherwise become one group)
+MIN_BLOCK_GROUPS = 4
+
+
+def blocks_per_group(setting: int, block_params: int, n_blocks: int) -> int:
+    """Consecutive blocks in one FSDP group (parallelism.fsdp_blocks_per_group): `setting` where it is one or
+    more (at most `n_blocks`); auto (0): enough blocks of `block_params` parameters to hold GROUP_MIN_PARAMS,
+    leaving at least MIN_BLOCK_GROUPS groups where there are that many blocks."""
+    if setting > 0:
+        return min(setting, n_blocks)
+    return max(1, min(math.ceil(GROUP_MIN_PARAMS / max(block_params, 1)), n_blocks // MIN_BLOCK_GROUPS))
+
+
 def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
-    """fully_shard each TransformerBlock, then the final norm with an untied output layer as one group,
-    then the root (the embedding, and a tied output), over dims.mesh."""
+    """fully_shard the TransformerBlocks, parallelism.fsdp_blocks_per_group consecutive ones a group, then
+    the final norm with an untied output layer as one group, then the root (the embedding, and a tied
+    output), over dims.mesh."""
     dp = settings.data_parallel
+    log = logging.getLogger("titanlite").info if dims.is_main else (lambda _: None)
     # bf16 compute: the policy gathers bf16 copies of the fp32 shards and reduce-scatters the gradients in
     # fsdp_reduce_dtype (fp32 by default), what training.bf16_params does with copies in the other modes
     bf16 = computes_bf16(settings.precision, dims.device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=getattr(torch, dp.fsdp_reduce_dtype))
-    gathered = sum(q.numel() for q in model.layers.parameters()) * (2 if bf16 else 4)
+    blocks = list(model.layers.values())
+    blocks_params = sum(q.numel() for q in model.layers.parameters())
+    gathered = blocks_params * (2 if bf16 else 4)
     block_reshard = blocks_reshard(dp.fsdp_reshard_after_forward, gathered, dims.device_memory)
-    if dp.fsdp_reshard_after_forward == "auto" and dims.is_main:
-        logging.getLogger("titanlite").info(
-            f"parallelism.fsdp_reshard_after_forward=auto: the blocks {'free' if block_reshard else 'keep'} their "
+    if dp.fsdp_reshard_after_forward == "auto":
+        log(f"parallelism.fsdp_reshard_after_forward=auto: the blocks {'free' if block_reshard else 'keep'} their "
             f"gathered parameters after forward ({gathered / 2**30:.2f} GiB gathered"
             + (f", {gathered / dims.device_memory:.1%} of the GPU's memory)" if dims.device_memory
                else ", not on a GPU)"))
+    per = blocks_per_group(dp.fsdp_blocks_per_group, blocks_params // max(len(blocks), 1), len(blocks))
+    if dp.fsdp_blocks_per_group == 0:
+        groups = math.ceil(len(blocks) / per)
+        log(f"parallelism.fsdp_blocks_per_group=auto: {per} of the {len(blocks)} blocks a group ({groups} groups of "
+            f"up to {per * blocks_params // max(len(blocks), 1):,} parameters)")
+    mesh = dims.mesh
+    for i in range(0, len(blocks), per):  # one gather, one reduce-scatter and one set of hooks for the group
+        group = blocks[i:i + per]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     # the root keeps its parameters unless told otherwise: backward starts with the output layer right away
     root_reshard = dp.fsdp_reshard_after_forward == "always"
-    mesh = dims.mesh
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     if model.output.weight is not model.tok_embeddings.weight:
         # A group of its own: the head's gradients are complete as soon as the backward has passed the
         # final norm, and reduce-scatter beside the blocks' backward instead of after the embedding's,
