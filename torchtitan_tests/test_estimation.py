@@ -542,11 +542,12 @@ def test_fsdp_reduces_the_head_before_the_embedding(name):
                                                ("llama", "debug", 1)])
 def test_fsdp_auto_groups_blocks_of_small_models(name, flavor, per):
     """fsdp_blocks_per_group=0 (auto): enough consecutive blocks for GROUP_MIN_PARAMS a group, at least
-    MIN_BLOCK_GROUPS groups; a number is taken as it is, up to every block."""
+    MIN_BLOCK_GROUPS groups; a number is taken as it is, up to every block. The first block is a group of
+    its own and every block is in exactly one group, in order."""
     import torch
 
     from titanlite.models import build_model, get_model_args
-    from titanlite.parallel.fsdp import GROUP_MIN_PARAMS, MIN_BLOCK_GROUPS, blocks_per_group
+    from titanlite.parallel.fsdp import GROUP_MIN_PARAMS, MIN_BLOCK_GROUPS, block_groups, blocks_per_group
 
     args = get_model_args(name, flavor)
     with torch.device("meta"):
@@ -557,15 +558,20 @@ def test_fsdp_auto_groups_blocks_of_small_models(name, flavor, per):
         assert (per - 1) * params < GROUP_MIN_PARAMS <= per * params or args.n_layers // per < MIN_BLOCK_GROUPS
     assert blocks_per_group(2, params, args.n_layers) == 2 and blocks_per_group(99, params, args.n_layers) == args.n_layers
     assert blocks_per_group(0, 1, 12) == 12 // MIN_BLOCK_GROUPS  # tiny blocks: still four groups
+    groups = block_groups(args.n_layers, per)
+    assert [i for a, b in groups for i in range(a, b)] == list(range(args.n_layers))
+    assert groups[0] == (0, 1) and max(b - a for a, b in groups) == per
+    assert block_groups(18, 3) == [(0, 1), (1, 4), (4, 7), (7, 10), (10, 13), (13, 16), (16, 18)]
+    assert block_groups(2, 5) == [(0, 1), (1, 2)] and block_groups(3, 1) == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_fsdp_grouped_blocks_gather_once_a_group():
-    """Two blocks a group: the fake run (and so the estimate) records one gather for each group of blocks,
-    each twice as large, and the same bytes in all."""
+    """Blocks grouped: the fake run (and so the estimate) records one gather for each group of blocks (the
+    first block alone, then three a group), and the same bytes in all."""
     from estimation.fake_run import FakeRun
 
     gathers = {}
-    for per in ("1", "2"):
+    for per in ("1", "3"):
         cfg = load_config(["--model.flavor", "debug", "--training.seq_len", "64", "--parallelism.data_parallel", "fsdp",
                            "--parallelism.fsdp_blocks_per_group", per])
         run = FakeRun(cfg, 2)
@@ -573,9 +579,10 @@ def test_fsdp_grouped_blocks_gather_once_a_group():
             gathers[per] = [moved for op, moved, _ in run.step(2).work["fwd_last"].collectives if "allgather" in op]
         finally:
             run.close()
-    n_layers = 4  # the debug flavor's; the root and the head's group gather once each in both runs
-    assert len(gathers["1"]) - len(gathers["2"]) == n_layers // 2
-    assert sum(gathers["1"]) == sum(gathers["2"]) and max(gathers["2"]) >= 2 * sorted(gathers["1"])[len(gathers["1"]) // 2]
+    # the debug flavor's four blocks: four groups, or two ([0], [1, 2, 3]); the root and the head's group
+    # gather once each in both runs
+    assert len(gathers["1"]) - len(gathers["3"]) == 2
+    assert sum(gathers["1"]) == pytest.approx(sum(gathers["3"])) and max(gathers["3"]) > max(gathers["1"])
 
 
 def test_hidden_collectives_slow_the_compute_beside_them():

@@ -54,8 +54,8 @@ DIST_RUNS = {
     "fsdp_reshard_never": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_reshard_after_forward",
                                "never"]),
     "fsdp_ac_full": (4, ["--parallelism.data_parallel", "fsdp", "--activation_checkpoint.mode", "full"]),
-    # blocks grouped: two groups of two; then 3 + 1 with each group's gathers freed after forward and the
-    # blocks recomputed in backward
+    # blocks grouped (the first block alone, then two a group); then three a group with each group's gathers
+    # freed after forward and the blocks recomputed in backward
     "fsdp_groups2": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_blocks_per_group", "2"]),
     "fsdp_groups3_ac_reshard": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_blocks_per_group", "3",
                                     "--activation_checkpoint.mode", "full",
@@ -137,8 +137,8 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     assert results["hsdp_2x1"]["job_mesh"] == {"dp_replicate": 2, "dp_shard": 1}
     # the blocks' FSDP groups as set (the test model's four blocks: auto makes one group each)
     assert results["fsdp"]["block_groups"] == [["0"], ["1"], ["2"], ["3"]] and results["ddp"]["block_groups"] is None
-    assert results["fsdp_groups2"]["block_groups"] == [["0", "1"], ["2", "3"]]
-    assert results["fsdp_groups3_ac_reshard"]["block_groups"] == [["0", "1", "2"], ["3"]]
+    assert results["fsdp_groups2"]["block_groups"] == [["0"], ["1", "2"], ["3"]]
+    assert results["fsdp_groups3_ac_reshard"]["block_groups"] == [["0"], ["1", "2", "3"]]
     for name, r in results.items():
         assert r["world"] == 2 and r["mode"] == DIST_RUNS[name][1][1]
         assert r["dp"] == [2, 0] and r["wrapper_on_job_mesh"], name

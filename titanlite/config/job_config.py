@@ -142,8 +142,9 @@ class Parallelism:
     fsdp_blocks_per_group: int = doc(
         0, "fsdp/hsdp: consecutive transformer blocks sharded as one FSDP group (one gather, one reduce-scatter and "
            "one set of hooks for them all), so the host spends less time launching a step and a busy host does "
-           "not leave the GPUs waiting; 0 = auto: enough blocks for 150M parameters a group, leaving at least 4 "
-           "groups (LLaMA 1.36B and Qwen3 1.8B: 3, 8B models: 1)", min=0)
+           "not leave the GPUs waiting; the first block stays a group of its own (nothing hides its gather and "
+           "reduce-scatter). 0 = auto: enough blocks for 150M parameters a group, leaving at least 4 groups "
+           "(LLaMA 1.36B and Qwen3 1.8B: 3, 8B models: 1)", min=0)
     fsdp_copy_engine_all_gather: Literal["auto", "on", "off"] = doc(
         "auto", "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory over a communicator of their own "
                 "under NCCL's zero-CTA policy, so the GPU's copy engines move them over NVLink and the SMs stay "

@@ -35,7 +35,9 @@ ADVICE: dict[tuple[str, str], str] = {
         "load on the machine (top; ranks x OMP_NUM_THREADS x (1 + data workers) <= cores), each rank's CPU and "
         "NUMA binding, and the gaps between kernels in a profile of a few steps (--profiling.enable); a step "
         "whose host time is close to its GPU time shows every host hiccup (fewer launches: --compile.enable, a "
-        "larger local batch). Then the link: collectives on the copy engines (fsdp's parameter gathers with "
+        "larger local batch; under fsdp, fewer and larger FSDP groups: --parallelism.fsdp_blocks_per_group, which "
+        "auto sets for models of small blocks; benchmarks/step_host_time.py measures the host's time a step). "
+        "Then the link: collectives on the copy engines (fsdp's parameter gathers with "
         "parallelism.fsdp_copy_engine_all_gather) leave the GPU idle while a slow or shared link holds them: "
         "rerun with it off, and measure the link (nccl-tests) while the job runs."),
     ("compute_stall", "gpu_throttled"): (

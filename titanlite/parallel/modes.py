@@ -64,7 +64,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          optimizer="zero", comm="all_reduce", overlaps_comm=True, mesh=("dp_replicate",),
          refuses={"training.cuda_graphs": "ZeroRedundancyOptimizer broadcasts parameters from host-side bookkeeping "
                                           "and has no capturable mode; use ddp (or no cuda_graphs)"}),
-    Mode("fsdp", "FSDP2 fully_shard per block and the root: parameters, gradients and AdamW state sharded",
+    Mode("fsdp", "FSDP2 fully_shard per group of blocks and the root: parameters, gradients and AdamW state sharded",
          shards_params=True, optimizer="sharded", comm="reduce_scatter", overlaps_comm=True, headroom=0.15,
          bf16_params="fsdp_policy", mesh=("dp_shard",),
          refuses={"training.cuda_graphs": _FSDP_GRAPHS, "optimizer.moments_dtype=bfloat16": _MASTER}),
