@@ -62,6 +62,7 @@ SUITES: dict[str, dict[str, list[str]]] = {
         "fsdp reduce=bf16": _dp("fsdp", "--parallelism.fsdp_reduce_dtype", "bfloat16"),
         "fsdp sm_all_gather": _dp("fsdp", "--parallelism.fsdp_copy_engine_all_gather", "off"),
         "fsdp reshard=never": _dp("fsdp", "--parallelism.fsdp_reshard_after_forward", "never"),
+        "fsdp one_block_groups": _dp("fsdp", "--parallelism.fsdp_blocks_per_group", "1"),
     },
     # Qwen3 1.8B (GQA 16/8 heads, qk-norm) at the same batch and sequence.
     "qwen3": {

@@ -540,3 +540,30 @@ def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):
     assert inductor_config.coordinate_descent_tuning is True
     with pytest.raises(ConfigError, match="coordinate_descent_tuning needs compile.enable"):
         Trainer(load_config(base_args(tmp_path, 4, "--compile.coordinate_descent_tuning")))
+
+
+def test_fsdp_head_group_warning_of_torch_2_11_is_dropped_only_for_the_output():
+    """torch 2.11 warns that the [norm, output] group's output layer ran no forward, which the chunked loss
+    does by design: the warning naming that layer is dropped, any other (another module, other text) kept."""
+    import logging
+
+    import torch.nn as nn
+
+    from titanlite.parallel.fsdp import quiet_head_group
+
+    name = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    out = nn.Linear(8, 32, bias=False)
+    quiet_head_group(out)
+    quiet_head_group(out)  # a second run in the process: one filter
+    log = logging.getLogger(name)
+    assert sum(type(f).__name__ == "_HeadRunsInsideTheLoss" for f in log.filters) == 1
+
+    def kept(modules: str, text: str = "did not run forward before backward") -> bool:
+        msg = (f"1 of the 2 modules passed to fully_shard {text}, which is error-prone. "
+               f"Modules that did not run forward: [{modules}]")
+        return log.filter(logging.LogRecord(name, logging.WARNING, __file__, 1, msg, None, None))
+
+    assert not kept(repr(out))
+    assert kept(repr(nn.Linear(8, 16, bias=False)))  # another layer
+    assert kept(f"{out!r}, {nn.LayerNorm(8)!r}")  # more than the output
+    assert kept(repr(out), "ran twice")  # another warning

@@ -69,6 +69,34 @@ def block_groups(n_blocks: int, per: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(starts, starts[1:] + [n_blocks]) if a < b]
 
 
+class _HeadRunsInsideTheLoss(logging.Filter):
+    """torch 2.11's FSDP warns once per rank, at the first backward, that the output layer of the [norm, output]
+    group ran no forward of its own. Under training.loss=chunked that is by design: the loss multiplies by the
+    output's weight inside the model's forward, the group gathers on the norm's forward and reduce-scatters
+    when the backward reaches the norm. This drops that warning where it names only such an output layer
+    (torch 2.13 does not warn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: set[str] = set()  # the output layers' reprs, as FSDP names them
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("did not run forward before backward" in msg
+                    and any(msg.endswith(f"did not run forward: [{o}]") for o in self.outputs))
+
+
+_HEAD_IN_LOSS = _HeadRunsInsideTheLoss()
+
+
+def quiet_head_group(output: nn.Module) -> None:
+    """Keep torch 2.11's warning about the [norm, output] group out of the log (_HeadRunsInsideTheLoss)."""
+    _HEAD_IN_LOSS.outputs.add(repr(output))
+    log = logging.getLogger("torch.distributed.fsdp._fully_shard._fsdp_state")
+    if _HEAD_IN_LOSS not in log.filters:
+        log.addFilter(_HEAD_IN_LOSS)
+
+
 def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
     """fully_shard the TransformerBlocks, parallelism.fsdp_blocks_per_group consecutive ones a group (the
     first alone: block_groups), then the final norm with an untied output layer as one group, then the
@@ -107,6 +135,8 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         # the last gradient of the step; its gather rides ahead of the last blocks' forward. (A tied
         # output shares the embedding's parameter, which one FSDP group must hold.)
         fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+        if settings.loss == "chunked":
+            quiet_head_group(model.output)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
     return model
 
