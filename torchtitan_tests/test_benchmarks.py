@@ -640,3 +640,53 @@ def test_multinode_resume_across_world_sizes_on_cpu(tmp_path):
     table = (tmp_path / "multinode_resume.md").read_text()
     assert "data stream at position 20): 2 -> 1 True, 1 -> 2 True" in table
     assert "| 6 | " in table and "| 10 | " in table
+
+
+def test_host_trace_sums_each_code_part_own_time_per_thread(tmp_path):
+    """host_trace.py: an event's own time (its length less its children's) goes to the innermost Python frame
+    of a known part; ops with no Python frame above them to the autograd engine; a call still open when
+    recording stopped is cut to the span of the ops; a thread without ops is left out; a bad file exits 2."""
+    import gzip
+
+    import host_trace
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+
+    fsdp = "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py(442): pre_forward"
+    events = [ev("python_function", "titanlite/step.py(114): __call__", 0, 100),
+              ev("cpu_op", "aten::empty", 0, 1),                        # the step's own op
+              ev("python_function", fsdp, 10, 30),
+              ev("cpu_op", "aten::split_with_sizes_copy", 15, 10),       # inside FSDP's hook: FSDP's
+              ev("python_function", "/tmp/torchinductor_root/ab/cabc.py(9): call", 50, 20),
+              ev("cpu_op", "aten::mm", 55, 5),
+              ev("python_function", "torch/optim/optimizer.py(509): wrapper", 120, 10**7),  # open at the end
+              *[ev("cpu_op", "aten::add_", 121 + i, 1) for i in range(10)],
+              *[ev("cpu_op", "AddmmBackward0", 200 + 10 * i, 5, tid=2) for i in range(10)],   # engine thread
+              ev("python_function", "threading.py(327): wait", 0, 300, tid=3)]
+    out = host_trace.analyse(events)
+    assert set(out) == {1, 2}
+    busy, parts, funcs = out[1]
+    us = lambda ms: round(ms * 1e3)
+    assert us(busy) == 100 + (295 - 120)  # the step, then the optimizer's call cut at the last op's end
+    assert us(parts["fsdp hooks"]) == 30 and us(parts["inductor generated code"]) == 20
+    assert us(parts["titanlite step"]) == 100 - 30 - 20 and us(parts["optimizer"]) == 295 - 120
+    assert us(funcs[fsdp]) == 30 and us(funcs["titanlite/step.py(114): __call__"]) == 50
+    assert us(out[2][1][host_trace.ENGINE]) == 50 and us(out[2][0]) == 50
+
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_trace.py"), str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "| fsdp hooks | 0.0 |" not in r.stdout and "## thread 1" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_trace.py"), str(tmp_path / "none.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot read" in bad.stderr
+
+
+@pytest.mark.parametrize("args", [["--launch", "sometimes"], ["--busy", "many"], ["--trace"]])
+def test_step_host_time_refuses_a_bad_option_in_one_line(args):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_host_time.py"), *args], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("step_host_time: "), r.stderr
