@@ -117,14 +117,15 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
             f"gathered parameters after forward ({gathered / 2**30:.2f} GiB gathered"
             + (f", {gathered / dims.device_memory:.1%} of the GPU's memory)" if dims.device_memory
                else ", not on a GPU)"))
-    per = blocks_per_group(dp.fsdp_blocks_per_group, blocks_params // max(len(blocks), 1), len(blocks))
+    block_params = blocks_params // max(len(blocks), 1)
+    per = blocks_per_group(dp.fsdp_blocks_per_group, block_params, len(blocks))
+    groups = block_groups(len(blocks), per)
     if dp.fsdp_blocks_per_group == 0:
-        groups = len(block_groups(len(blocks), per))
-        log(f"parallelism.fsdp_blocks_per_group=auto: {per} block{'s' if per > 1 else ''} a group ({groups} groups of "
-            f"the {len(blocks)}{', the first block alone' if per > 1 else ''}; up to "
-            f"{per * blocks_params // max(len(blocks), 1):,} parameters a group)")
+        log(f"parallelism.fsdp_blocks_per_group=auto: {per} block{'s' if per > 1 else ''} a group ({len(groups)} "
+            f"groups of the {len(blocks)}{', the first block alone' if per > 1 else ''}; up to "
+            f"{per * block_params:,} parameters a group)")
     mesh = dims.mesh
-    for start, end in block_groups(len(blocks), per):  # one gather, one reduce-scatter, one set of hooks a group
+    for start, end in groups:  # one gather, one reduce-scatter, one set of hooks a group
         group = blocks[start:end]
         fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp, reshard_after_forward=block_reshard)
     # the root keeps its parameters unless told otherwise: backward starts with the output layer right away
