@@ -97,8 +97,9 @@ def configurations(suites: list[str], only: set[str], extras: list[str]) -> list
 
 
 # titanlite options that do not change what one GPU runs: with one rank every data-parallel mode runs the
-# single-device path, and the rest say how long and where the run logs
-NOT_ONE_GPU_WORK = {"--parallelism.data_parallel", "--training.steps", "--metrics.log_freq", "--job.dump_folder"}
+# single-device path (so no parallelism.* option reaches it), and the rest say how long and where the run logs
+NOT_ONE_GPU_WORK = {"--training.steps", "--metrics.log_freq", "--job.dump_folder"}
+NOT_ONE_GPU_SECTION = "--parallelism."
 
 
 def one_gpu_key(r: launch.Result) -> str:
@@ -109,11 +110,12 @@ def one_gpu_key(r: launch.Result) -> str:
     args = r.cmd[r.cmd.index("titanlite.train") + 1:] if "titanlite.train" in r.cmd else list(r.cmd)
     kept, i = [], 0
     while i < len(args):
-        if args[i] in NOT_ONE_GPU_WORK:
-            i += 2
+        name = args[i].split("=", 1)[0]
+        if name in NOT_ONE_GPU_WORK or name.startswith(NOT_ONE_GPU_SECTION):
+            bare = "=" in args[i] or i + 1 == len(args) or args[i + 1].startswith("--")  # no value of its own
+            i += 1 if bare else 2
             continue
-        if args[i].split("=", 1)[0] not in NOT_ONE_GPU_WORK:
-            kept.append(args[i])
+        kept.append(args[i])
         i += 1
     return "titanlite " + " ".join(kept)
 

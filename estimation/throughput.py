@@ -47,7 +47,8 @@ TERMS = ("gemm", "attention", "elementwise", "optimizer", "gaps", "launch")
 # collective op (estimation.tracker.COLLECTIVES) -> its kind in calibration.json's beside_collectives
 COLLECTIVE_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "all_reduce",
                    "_allgather_base_": "sharded", "allgather_into_tensor_coalesced_": "sharded",
-                   "_reduce_scatter_base_": "sharded", "reduce_scatter_tensor_coalesced_": "sharded"}
+                   "_reduce_scatter_base_": "sharded", "reduce_scatter_tensor_coalesced_": "sharded",
+                   "alltoall_base_": "sharded"}
 
 
 @dataclass

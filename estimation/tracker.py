@@ -39,6 +39,7 @@ COLLECTIVES = {
     "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
     "broadcast_": (1.0, 0), "allgather_into_tensor_coalesced_": (1.0, 0),
     "reduce_scatter_tensor_coalesced_": (1.0, 1), "allreduce_coalesced_": (2.0, 0),
+    "alltoall_base_": (1.0, 1),  # fsdp_gradient_transport=bfloat16: the input's pieces for the other ranks
 }
 # Ops that move no bytes: allocation without a write, and metadata-only views.
 FREE_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",

@@ -596,11 +596,34 @@ def test_advice_table_covers_every_finding_and_fills_its_placeholders(tmp_path):
     named, path = set(), make_log(tmp_path / "r.json", 2, 100.0)
     for mode, shards in (("ddp", False), ("zero1", False), ("fsdp", True), ("hsdp", True)):
         for extra in ({}, {"parallelism.ddp_reduce_dtype": "bfloat16"}, {"parallelism.fsdp_copy_engine_all_gather": "on"},
-                      {"parallelism.fsdp_copy_engine_all_gather": "auto"}):
+                      {"parallelism.fsdp_copy_engine_all_gather": "auto"}, BF16_GRADIENTS):
             run = load_run(path)
             run.config.update(extra, data_parallel=mode)
             named |= set(overlap_remedies(mode, shards, run))
     assert named == set(REMEDIES)
+
+
+# titanlite's fsdp with bf16 compute and its default gradient transport: the bf16 gradients cross as they are
+BF16_GRADIENTS = {"parallelism.fsdp_gradient_transport": "auto", "parallelism.fsdp_reduce_dtype": "float32",
+                  "training.mixed_precision_param": "bfloat16", "parallelism.fsdp_copy_engine_all_gather": "auto"}
+
+
+def test_gradients_that_crossed_in_bf16_count_two_bytes_and_are_not_told_to_halve(tmp_path):
+    """A run whose fsdp gradients crossed the link in bf16 (parallelism.fsdp_gradient_transport) reduced two
+    bytes a parameter, not four, and the overlap advice says so instead of offering fsdp_reduce_dtype bfloat16
+    to halve them; with the transport off, or ddp, the float32 bytes and that remedy stand."""
+    from titanlite.diagnose.analysis import gradient_bytes, overlap_remedies
+
+    path = make_log(tmp_path / "r.json", 2, 100.0)
+    runs = {}
+    for name, extra, mode in (("crossed", BF16_GRADIENTS, "fsdp"),
+                              ("nccl", {**BF16_GRADIENTS, "parallelism.fsdp_gradient_transport": "reduce_dtype"}, "fsdp"),
+                              ("ddp", BF16_GRADIENTS, "ddp")):
+        runs[name] = load_run(path)
+        runs[name].config.update(extra, data_parallel=mode)
+    assert gradient_bytes(runs["crossed"]) * 2 == gradient_bytes(runs["nccl"]) == gradient_bytes(runs["ddp"])
+    assert overlap_remedies("fsdp", True, runs["crossed"]) == ["fsdp_grads_crossed_bf16", "fsdp_gathers_auto"]
+    assert overlap_remedies("fsdp", True, runs["nccl"]) == ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
 
 
 @pytest.mark.parametrize("command", [["titanlite.diagnose", "LOGS", "--out", "OUT"], ["titanlite.tools.compare", "LOGS"],

@@ -513,24 +513,29 @@ def test_fsdp_auto_reshard_follows_the_gpus_memory():
     assert peaks[10**12] - peaks[None] >= 0.75 * gathered, (peaks, gathered)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_fsdp_reduces_the_head_before_the_embedding(name):
+@pytest.mark.parametrize("name,transport", [("llama", "reduce_dtype"), ("qwen3", "reduce_dtype"), ("llama", "auto")])
+def test_fsdp_reduces_the_head_before_the_embedding(name, transport):
     """fsdp puts the final norm and an untied output layer (llama's debug flavor) in a group of their
     own: its gradients reduce-scatter first in the backward, beside the blocks, and the step's last
     reduce-scatter (the one nothing hides) carries the embedding alone. A tied output (qwen3's debug
     flavor) stays in the root with the embedding, one group holding the shared matrix. The fake run
-    records the real run's collectives in order."""
+    records the real run's collectives in order: NCCL's float32 reduce-scatters, or, with the gradient
+    transport in bf16 (auto, on a GPU's bf16 compute), all-to-alls of half the bytes."""
     from estimation.fake_run import FakeRun
 
     cfg = load_config(["--model.name", name, "--model.flavor", "debug", "--training.seq_len", "64",
-                       "--parallelism.data_parallel", "fsdp"])
+                       "--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_gradient_transport", transport])
     run = FakeRun(cfg, 2)
     try:
-        rs = [moved for op, moved, _ in run.step(2).work["bwd_last"].collectives if "reduce_scatter" in op]
+        work = run.step(2).work["bwd_last"].collectives
         a = run.args
     finally:
         run.close()
-    half = 4 / 2  # fp32 gradients, half of them leave each of 2 ranks
+    op = "reduce_scatter" if transport == "reduce_dtype" else "alltoall"
+    rs = [moved for o, moved, _ in work if op in o]
+    other = "alltoall" if transport == "reduce_dtype" else "reduce_scatter"
+    assert not [o for o, _, _ in work if other in o]  # one kind of gradient reduce
+    half = (4 if transport == "reduce_dtype" else 2) / 2  # fp32 (or bf16) gradients, half leave each of 2 ranks
     embedding, head = a.vocab_size * a.dim * half, (a.vocab_size * a.dim + a.dim) * half
     if a.tie_embeddings:
         assert len(rs) == a.n_layers + 1 and rs[-1] == embedding + a.dim * half  # the root: embedding and norm

@@ -60,10 +60,17 @@ DIST_RUNS = {
     "fsdp_groups3_ac_reshard": (4, ["--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_blocks_per_group", "3",
                                     "--activation_checkpoint.mode", "full",
                                     "--parallelism.fsdp_reshard_after_forward", "always"]),
+    # bf16 compute under fsdp, its float32 gradient reduction as NCCL's reduce-scatter or as an all-to-all of
+    # the bf16 gradients summed in float32 by each shard's owner
+    "fsdp_bf16": (4, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param", "bfloat16",
+                      "--parallelism.fsdp_gradient_transport", "reduce_dtype"]),
+    "fsdp_bf16_transport": (4, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param", "bfloat16",
+                                "--parallelism.fsdp_gradient_transport", "bfloat16"]),
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
     "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16"]),
 }
-LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params"}  # bf16 gradients or bf16 compute: close to the reference, not equal
+# bf16 gradients or bf16 compute: close to the reference, not equal
+LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
@@ -72,9 +79,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
 
 
 def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
+    all_to_all = dist.all_to_all_single
     for name, (local, extra) in runs.items():
         t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra)))
-        t.train()
+        calls = []  # the all-to-alls the run made (fsdp_gradient_transport=bfloat16: one per FSDP group a step)
+        dist.all_to_all_single = lambda *a, **k: (calls.append(1), all_to_all(*a, **k))[1]
+        try:
+            t.train()
+        finally:
+            dist.all_to_all_single = all_to_all
         if rank == 0:
             params = list(t.model.parameters())
             full = sum(p.numel() for p in params)  # a DTensor shard counts as its whole tensor here
@@ -92,6 +105,7 @@ def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
                              "job_mesh": dict(zip(t.dims.mesh.mesh_dim_names, t.dims.mesh.shape)),
                              "dp": [t.dims.dp_size, t.dims.dp_rank],
                              "block_groups": block_groups(t.model),
+                             "all_to_all": len(calls),
                              "wrapper_on_job_mesh": (t.model.process_group is t.dims.mesh.get_group("dp_replicate")
                                                      if hasattr(t.model, "process_group")
                                                      else params[0].device_mesh == t.dims.mesh)}
@@ -156,6 +170,12 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     assert r["bf16_copies"] and held("ddp_bf16_params") == (1.0, 1.0)  # replicas of fp32 masters with bf16 copies
     single = run_single(tmp_path / "single_bf16", 8, "--training.mixed_precision_param", "bfloat16")
     assert r["losses"][0] == pytest.approx(single[0], rel=1e-6) and r["losses"] == pytest.approx(single, rel=2e-3)
+    # fsdp's bf16 gradients summed in float32 on their shard's owner: NCCL's float32 reduction exactly (a sum of
+    # two, halved), through all-to-alls (one a group a step: the four blocks, the head, the root) instead
+    fsdp, moved = results["fsdp_bf16"], results["fsdp_bf16_transport"]
+    assert moved["losses"] == fsdp["losses"] and fsdp["losses"] == pytest.approx(single, rel=2e-3)
+    assert fsdp["all_to_all"] == 0 and moved["all_to_all"] == 6 * STEPS
+    assert results["fsdp"]["all_to_all"] == 0  # float32 compute: float32 gradients, NCCL's reduce-scatter
 
 
 def test_two_accumulated_micro_batches_give_the_larger_batchs_losses(reference, tmp_path):
@@ -567,3 +587,71 @@ def test_fsdp_head_group_warning_of_torch_2_11_is_dropped_only_for_the_output():
     assert kept(repr(nn.Linear(8, 16, bias=False)))  # another layer
     assert kept(f"{out!r}, {nn.LayerNorm(8)!r}")  # more than the output
     assert kept(repr(out), "ran twice")  # another warning
+
+
+def _owner_sum_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from titanlite.parallel.fsdp import OwnerSumReduceScatter
+
+    with gloo_rank(rank, world, port, out_dir) as results:
+        comm = OwnerSumReduceScatter(world, torch.float32)
+        n = 1000  # this rank's shard; FSDP pads every reduce to a multiple of the ranks
+        # FSDP asks for the input (every rank's pieces) and then the output (its shard), both in the reduce dtype
+        pieces, shard = comm.allocate((world * n,), dtype=torch.float32, device="cpu"), comm.allocate(
+            (n,), dtype=torch.float32, device="cpu")
+        g = torch.Generator().manual_seed(rank)
+        pieces.copy_(torch.randn(world * n, generator=g) * 10 ** torch.randint(-3, 4, (world * n,), generator=g))
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            comm(shard, pieces, None, op)
+            nccl_like = torch.empty(n)  # the float32 reduce-scatter of the same bf16 values
+            dist.reduce_scatter_tensor(nccl_like, pieces.float(), op=dist.ReduceOp.SUM)
+            if op == dist.ReduceOp.AVG:
+                nccl_like /= world
+            if rank == 0:
+                results[str(op)] = {"dtypes": [str(pieces.dtype), str(shard.dtype)],
+                                    "max_rel": ((shard - nccl_like).abs() / nccl_like.abs().clamp_min(1e-30)).max().item()}
+
+
+def test_owner_sum_is_the_float32_reduce_scatter_at_half_the_bytes(tmp_path):
+    """OwnerSumReduceScatter on 4 ranks: the input FSDP asks for comes back bf16 (the bytes that cross), the
+    output float32, and the shard each rank sums is the float32 reduce-scatter of the same bf16 values up to
+    the order of the additions (values spread over seven orders of magnitude)."""
+    mp.spawn(_owner_sum_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == 2
+    for r in results.values():
+        assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert r["max_rel"] < 1e-6
+
+
+@pytest.mark.parametrize("setting,bf16,reduce_dtype,shard,why", [
+    ("auto", True, "float32", 8, "bfloat16"),
+    ("bfloat16", True, "float32", 2, "bfloat16"),
+    ("reduce_dtype", True, "float32", 8, "reduce_dtype"),
+    ("auto", False, "float32", 8, "reduce_dtype: the gradients are float32"),
+    ("auto", True, "bfloat16", 8, "reduce_dtype: fsdp_reduce_dtype=bfloat16 already reduces bf16"),
+    ("auto", True, "float32", 1, "reduce_dtype: a shard group of one rank reduces nothing"),  # hsdp, shards of one
+    ("bfloat16", True, "float32", 1, "reduce_dtype: a shard group of one rank"),
+])
+def test_gradient_transport_takes_bf16_where_it_saves_bytes(setting, bf16, reduce_dtype, shard, why):
+    from titanlite.parallel.fsdp import gradient_transport
+
+    use, reason = gradient_transport(setting, bf16, reduce_dtype, shard)
+    assert use is (why == "bfloat16") and reason.startswith(why), reason
+
+
+def test_gradient_transport_bfloat16_refuses_where_it_cannot(tmp_path):
+    """Asked for where there are no bf16 gradients to carry: one line before torchrun, exit 2; where only the
+    run itself can tell (float32 compute on a CPU), a ConfigError."""
+    from titanlite.parallel.fsdp import gradient_transport
+
+    for extra, why in ((["--parallelism.data_parallel", "ddp"], "parallelism.data_parallel=ddp reduces no FSDP gradients"),
+                       (["--parallelism.fsdp_reduce_dtype", "bfloat16"],
+                        "parallelism.fsdp_reduce_dtype=bfloat16 already reduces bf16"),
+                       (["--training.mixed_precision_param", "float32"],
+                        "training.mixed_precision_param=float32 makes float32 gradients")):
+        r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2", *extra,
+                            "--parallelism.fsdp_gradient_transport", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype"], r.stderr
+    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_gradient_transport=bfloat16: the gradients are float32"):
+        gradient_transport("bfloat16", False, "float32", 2)

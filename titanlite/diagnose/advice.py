@@ -116,6 +116,9 @@ REMEDIES: dict[str, Remedy] = {
     "fsdp_copy_engine_gathers": Remedy("--parallelism.fsdp_copy_engine_all_gather auto moves the parameter "
                                        "all-gathers onto the copy engines"),
     "fsdp_reduce_bf16": Remedy("--parallelism.fsdp_reduce_dtype bfloat16 halves the gradient bytes"),
+    "fsdp_grads_crossed_bf16": Remedy("the bf16 gradients already crossed the link as they are, summed in float32 "
+                                      "(parallelism.fsdp_gradient_transport): a bf16 reduction would save no bytes",
+                                      note=True),
     "fsdp_instead": Remedy("fsdp, whose parameter all-gathers take the copy engines on one NVSwitch host "
                            "(parallelism.fsdp_copy_engine_all_gather=auto), keeps most of its collectives off the SMs"),
     "fsdp_gathers_ran_on_copy_engines": Remedy("the parameter all-gathers already ran on the copy engines", note=True),

@@ -311,7 +311,17 @@ def gradient_bytes(run: Run) -> float | None:
     if not params:
         return None
     bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))
-    return params * (2 if bf16 else 4)
+    return params * (2 if bf16 or gradients_cross_bf16(run) else 4)
+
+
+def gradients_cross_bf16(run: Run) -> bool:
+    """Did fsdp's bf16 gradients cross the link as they are (parallelism.fsdp_gradient_transport, titanlite's
+    fsdp and hsdp with bf16 compute and a float32 reduction)? False where the log does not say."""
+    c = run.config
+    compute_bf16 = c.get("training.mixed_precision_param") == "bfloat16" or (
+        c.get("training.mixed_precision_param") == "auto" and run.hardware.get("device") == "cuda")
+    return (c.get("parallelism.fsdp_gradient_transport") in ("auto", "bfloat16") and compute_bf16
+            and c.get("parallelism.fsdp_reduce_dtype") == "float32" and c.get("data_parallel") in ("fsdp", "hsdp"))
 
 
 def allreduce_ms(run: Run, gbps: float) -> float | None:
@@ -897,11 +907,13 @@ def overlap_remedies(mode: str, shards_params: bool, run: Run) -> list[str]:
     (docs/diagnosis.md, "Measured remedies"), given what the run already does."""
     if shards_params:
         gathers = cfg_value(run, "parallelism.fsdp_copy_engine_all_gather")
+        # the gradient bytes: halved by a bf16 reduction, unless the bf16 gradients already crossed as they are
+        grads = "fsdp_grads_crossed_bf16" if gradients_cross_bf16(run) else "fsdp_reduce_bf16"
         if gathers in ("on", True):
-            return ["fsdp_reduce_bf16", "fsdp_gathers_ran_on_copy_engines"]
+            return [grads, "fsdp_gathers_ran_on_copy_engines"]
         if gathers == "auto":
-            return ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
-        return ["fsdp_copy_engine_gathers", "fsdp_reduce_bf16"]  # off, or a log that does not say
+            return [grads, "fsdp_gathers_auto"]
+        return ["fsdp_copy_engine_gathers", grads]  # off, or a log that does not say
     # an all-reduce split onto the copy engines measured slower, so the next step up is fsdp
     first = ["ddp_reduce_bf16"] if mode == "ddp" and cfg_value(run, "parallelism.ddp_reduce_dtype") != "bfloat16" else []
     return first + ["fsdp_instead"]

@@ -11,14 +11,22 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+try:  # FSDP's interface for a reduce-scatter of one's own (torch 2.11 and 2.13 have it)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:
+    ReduceScatter = None
+CUSTOM_REDUCE_SCATTER = ReduceScatter is not None and hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+from titanlite.errors import ConfigError
 from titanlite.parallel.copy_engine import gathers_on_copy_engines
 from titanlite.ops.master_linear import MasterWeights
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.policy import computes_bf16
-from titanlite.parallel.settings import ParallelSettings
+from titanlite.parallel.settings import DataParallelSettings, ParallelSettings
 
 # fsdp_reshard_after_forward=auto: the blocks keep their gathered parameters from forward to backward
 # when all of them together take at most this share of the GPU's memory
@@ -97,6 +105,65 @@ def quiet_head_group(output: nn.Module) -> None:
         log.addFilter(_HEAD_IN_LOSS)
 
 
+def gradient_transport(setting: str, bf16: bool, reduce_dtype: str, shard: int) -> tuple[bool, str]:
+    """parallelism.fsdp_gradient_transport: do the bf16 gradients cross the link as they are, summed in float32
+    by the shard's owner (OwnerSumReduceScatter), and why (one phrase)? Only where there is something to
+    save: bf16 gradients (bf16 compute) reduced in float32 over more than one rank. `bfloat16` where that
+    does not hold raises ConfigError (the config check refuses the cases it can see before torchrun)."""
+    if setting == "reduce_dtype":
+        return False, "reduce_dtype"
+    why = ("the gradients are float32 (float32 compute)" if not bf16 else
+           "fsdp_reduce_dtype=bfloat16 already reduces bf16" if reduce_dtype != "float32" else
+           f"torch {torch.__version__} has no custom reduce-scatter for FSDP" if not CUSTOM_REDUCE_SCATTER else
+           "a shard group of one rank reduces nothing" if shard == 1 else None)
+    if why is None:
+        return True, "bfloat16"
+    if setting == "bfloat16" and shard > 1:
+        raise ConfigError(f"parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype")
+    return False, f"reduce_dtype: {why}"
+
+
+class OwnerSumReduceScatter(ReduceScatter or object):
+    """FSDP's gradient reduce-scatter as an all-to-all of the bf16 gradients plus a float32 sum on the rank
+    that owns each shard. NCCL's float32 reduce-scatter carries float32 partial sums; here every rank sends
+    the other ranks their pieces in the bf16 the backward computed them in (exact: a bf16 gradient cast to
+    float32 and back is itself) and sums the pieces it receives in float32. The result is a float32 sum of
+    the same bf16 values, NCCL's reduction up to the order of its additions, for half the bytes on the link
+    and half the copy-in FSDP writes on the compute stream before each reduce.
+
+    FSDP asks `allocate` for the reduce-scatter's input (every rank's pieces, in fsdp_reduce_dtype), then
+    for its output (this rank's shard, 1/world of it): the input comes back bf16, so FSDP's copy-in keeps
+    the gradients' own dtype; the output keeps the dtype asked."""
+
+    def __init__(self, world: int, reduce_dtype: torch.dtype):
+        self.world, self.reduce_dtype = world, reduce_dtype
+        self._input_numel: int | None = None  # the input just handed out, whose output comes next
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(size)
+        if self._input_numel is not None and numel * self.world == self._input_numel:
+            self._input_numel = None
+            return torch.empty(size, dtype=dtype, device=device)
+        self._input_numel = numel
+        return torch.empty(size, dtype=torch.bfloat16 if dtype == self.reduce_dtype else dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        if not isinstance(input_tensor, torch.Tensor) or output_tensor.dtype != self.reduce_dtype:
+            raise RuntimeError(f"parallelism.fsdp_gradient_transport=bfloat16: torch {torch.__version__}'s FSDP "
+                               f"reduces gradients in a way titanlite does not know; set it to reduce_dtype")
+        if input_tensor.dtype != torch.bfloat16 or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            # not bf16 gradients, or a divide factor of FSDP's own (set_gradient_divide_factor): NCCL's
+            # reduce-scatter in the reduce dtype, as without this class
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor.to(output_tensor.dtype), op=op, group=group,
+                                              async_op=async_op)
+        pieces = torch.empty_like(input_tensor)  # row r: rank r's piece of this rank's shard
+        dist.all_to_all_single(pieces, input_tensor, group=group)
+        torch.sum(pieces.view(self.world, -1), dim=0, dtype=output_tensor.dtype, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(self.world)
+        return None
+
+
 def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
     """fully_shard the TransformerBlocks, parallelism.fsdp_blocks_per_group consecutive ones a group (the
     first alone: block_groups), then the final norm with an untied output layer as one group, then the
@@ -139,7 +206,23 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         if settings.loss == "chunked":
             quiet_head_group(model.output)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+    transport_gradients_bf16(model, dp, bf16, dims, log)
     return model
+
+
+def transport_gradients_bf16(model: nn.Module, dp: DataParallelSettings, bf16: bool, dims: ParallelDims, log) -> None:
+    """parallelism.fsdp_gradient_transport on the sharded `model` (gradient_transport, OwnerSumReduceScatter);
+    `auto` says on the main rank what it chose."""
+    shard = dims.size("dp_shard")
+    use, why = gradient_transport(dp.fsdp_gradient_transport, bf16, dp.fsdp_reduce_dtype, shard)
+    if dp.fsdp_gradient_transport == "auto":
+        log(f"parallelism.fsdp_gradient_transport=auto: {why}"
+            + (" (the bf16 gradients cross the link in an all-to-all; each rank sums its shard's pieces in float32)"
+               if use else ""))
+    if use:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):  # one per group: each pairs its own input and output
+                m.set_custom_reduce_scatter(OwnerSumReduceScatter(shard, getattr(torch, dp.fsdp_reduce_dtype)))
 
 
 def apply_fsdp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, masters: MasterWeights) -> nn.Module:
