@@ -66,11 +66,13 @@ DIST_RUNS = {
                       "--parallelism.fsdp_gradient_transport", "reduce_dtype"]),
     "fsdp_bf16_transport": (4, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param", "bfloat16",
                                 "--parallelism.fsdp_gradient_transport", "bfloat16"]),
+    "hsdp_1x2_bf16_transport": (4, ["--parallelism.data_parallel", "hsdp", "--parallelism.shard_degree", "2",
+                                    "--training.mixed_precision_param", "bfloat16"]),  # auto: the transport
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
     "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16"]),
 }
 # bf16 gradients or bf16 compute: close to the reference, not equal
-LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport"}
+LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport", "hsdp_1x2_bf16_transport"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
@@ -175,6 +177,9 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     fsdp, moved = results["fsdp_bf16"], results["fsdp_bf16_transport"]
     assert moved["losses"] == fsdp["losses"] and fsdp["losses"] == pytest.approx(single, rel=2e-3)
     assert fsdp["all_to_all"] == 0 and moved["all_to_all"] == 6 * STEPS
+    # hsdp's shard groups reduce the same way (auto takes the transport with bf16 compute)
+    hsdp = results["hsdp_1x2_bf16_transport"]
+    assert hsdp["losses"] == fsdp["losses"] and hsdp["all_to_all"] == 6 * STEPS
     assert results["fsdp"]["all_to_all"] == 0  # float32 compute: float32 gradients, NCCL's reduce-scatter
 
 
