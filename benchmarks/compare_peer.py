@@ -174,6 +174,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--peers", default="", help=f"comma-separated torchtitan versions: {', '.join(launch.PEERS)}")
     ap.add_argument("--peer-modes", default="fsdp", help="torchtitan modes on several GPUs: fsdp,ddp")
     ap.add_argument("--peer-float8", action="store_true", help="also torchtitan 0.2.2 with float8 tensorwise")
+    ap.add_argument("--peers-only", action="store_true",
+                    help="run the torchtitan rows alone (their one-GPU rows on each GPU, for --baseline)")
     ap.add_argument("--extra", action="append", default=[], metavar="OPTIONS",
                     help="titanlite options of a variant row beside each configuration; write --extra=\"--a.b v\" "
                          "(a value that starts with -- needs the =); repeat for more variants")
@@ -203,6 +205,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.baseline_runs = [r for path in a.baseline for r in launch.load(path)]
     except (OSError, ValueError, KeyError, TypeError) as e:
         ap.error(f"--baseline takes compare_peer.json files: {type(e).__name__}: {e}")
+    if a.peers_only:
+        if not a.versions:
+            ap.error("--peers-only runs torchtitan alone: name the versions with --peers or --peer")
+        a.rows = []
+        return a
     a.rows = configurations(a.suite.split(","), set(filter(None, a.only.split(","))), a.extra)
     if not a.rows:
         ap.error("no configuration of the chosen suites is kept by --only")

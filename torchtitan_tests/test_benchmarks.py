@@ -213,8 +213,9 @@ def test_configurations_keep_only_and_add_each_extra_variant():
 def test_peer_flag_runs_every_torchtitan_version_and_bad_input_is_one_line(capsys):
     assert compare_peer.parse_args(["--peer"]).versions == list(launch.PEERS) == ["0.2.2", "0.3.0"]
     assert compare_peer.parse_args(["--peers", "0.3.0", "--only", "compile"]).versions == ["0.3.0"]
+    assert compare_peer.parse_args(["--peers", "0.3.0", "--peers-only"]).rows == []  # a peer's one-GPU rows alone
     for bad in (["--peers", "0.4.0"], ["--suite", "best"], ["--only", "nope"], ["--ngpus", "x"],
-                ["--baseline", "/no/such/compare_peer.json"]):
+                ["--baseline", "/no/such/compare_peer.json"], ["--peers-only"]):
         with pytest.raises(SystemExit) as e:
             compare_peer.parse_args(bad)
         assert e.value.code == 2
@@ -280,11 +281,15 @@ def test_weak_scaling_is_against_the_same_librarys_one_gpu_runs_and_each_row_sho
                           rates_after_warmup(40.0, 45.0, 50.0, 45.0))
     ddp = ours("ddp_4gpu", 4, "--parallelism.data_parallel", "ddp", tps=[94.5] * 4)
     float8 = ours("f8_4gpu", 4, "--parallelism.data_parallel=ddp", "--float8.enable", tps=[99.0] * 4)
+    # no parallelism option reaches one GPU: a knob's row (with a value, or a bare flag) has the same one-GPU rate
+    knob = ours("fsdp_knob_4gpu", 4, "--parallelism.data_parallel", "fsdp", "--parallelism.fsdp_gradient_transport",
+                "reduce_dtype", "--parallelism.ddp_bucket_view", tps=[94.5] * 4)
     a = compare_peer.parse_args(["--baseline", str(tmp_path / "gpu1" / "compare_peer.json")])
     rows = [("torchtitan 0.3.0", peer1, {}), ("compile", on_gpu0, {"0.3.0": peer1}),
-            ("torchtitan 0.3.0 ddp", peer4, {}), ("ddp", ddp, {"0.3.0": peer4}), ("float8", float8, {"0.3.0": peer4})]
+            ("torchtitan 0.3.0 ddp", peer4, {}), ("ddp", ddp, {"0.3.0": peer4}), ("float8", float8, {"0.3.0": peer4}),
+            ("fsdp knob", knob, {})]
     by_config = {r["config"]: r for r in md_tables(compare_peer.table(rows, ["0.3.0"], 10, a.baseline_runs))[0]}
-    assert by_config["ddp"]["of 1 GPU"] == "90.0%"  # 94.5 over (100 + 110) / 2
+    assert by_config["ddp"]["of 1 GPU"] == by_config["fsdp knob"]["of 1 GPU"] == "90.0%"  # 94.5 over (100 + 110) / 2
     assert by_config["torchtitan 0.3.0 ddp"]["of 1 GPU"] == "90.0%"  # 45 over its own version's 50
     assert by_config["float8"]["of 1 GPU"] == "-"  # no one-GPU run of that configuration
     assert by_config["compile"]["of 1 GPU"] == "-" and float(by_config["compile"]["vs 0.3.0"]) == 2.0
