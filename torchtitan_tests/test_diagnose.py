@@ -603,25 +603,32 @@ def test_advice_table_covers_every_finding_and_fills_its_placeholders(tmp_path):
     assert named == set(REMEDIES)
 
 
-# titanlite's fsdp with bf16 compute and its default gradient transport: the bf16 gradients cross as they are
+# titanlite's fsdp with bf16 compute, one micro-step a step and its default gradient transport: the bf16
+# gradients cross as they are
 BF16_GRADIENTS = {"parallelism.fsdp_gradient_transport": "auto", "parallelism.fsdp_reduce_dtype": "float32",
-                  "training.mixed_precision_param": "bfloat16", "parallelism.fsdp_copy_engine_all_gather": "auto"}
+                  "training.mixed_precision_param": "bfloat16", "parallelism.fsdp_copy_engine_all_gather": "auto",
+                  "gradient_accumulation_steps": 1}
 
 
 def test_gradients_that_crossed_in_bf16_count_two_bytes_and_are_not_told_to_halve(tmp_path):
     """A run whose fsdp gradients crossed the link in bf16 (parallelism.fsdp_gradient_transport) reduced two
     bytes a parameter, not four, and the overlap advice says so instead of offering fsdp_reduce_dtype bfloat16
-    to halve them; with the transport off, or ddp, the float32 bytes and that remedy stand."""
+    to halve them; with the transport off, with accumulation (float32 sums, NCCL's reduce-scatter), on a CPU
+    run's float32 compute, or under ddp, the float32 bytes and that remedy stand."""
     from titanlite.diagnose.analysis import gradient_bytes, overlap_remedies
 
     path = make_log(tmp_path / "r.json", 2, 100.0)
     runs = {}
     for name, extra, mode in (("crossed", BF16_GRADIENTS, "fsdp"),
                               ("nccl", {**BF16_GRADIENTS, "parallelism.fsdp_gradient_transport": "reduce_dtype"}, "fsdp"),
+                              ("accumulated", {**BF16_GRADIENTS, "gradient_accumulation_steps": 4}, "fsdp"),
+                              ("cpu", {**BF16_GRADIENTS, "training.mixed_precision_param": "auto"}, "fsdp"),
                               ("ddp", BF16_GRADIENTS, "ddp")):
         runs[name] = load_run(path)
         runs[name].config.update(extra, data_parallel=mode)
-    assert gradient_bytes(runs["crossed"]) * 2 == gradient_bytes(runs["nccl"]) == gradient_bytes(runs["ddp"])
+    runs["cpu"].hardware["device"] = "cpu"
+    four = {name: gradient_bytes(r) for name, r in runs.items()}
+    assert four.pop("crossed") * 2 == four["nccl"] and len(set(four.values())) == 1
     assert overlap_remedies("fsdp", True, runs["crossed"]) == ["fsdp_grads_crossed_bf16", "fsdp_gathers_auto"]
     assert overlap_remedies("fsdp", True, runs["nccl"]) == ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
 

@@ -68,11 +68,17 @@ DIST_RUNS = {
                                 "--parallelism.fsdp_gradient_transport", "bfloat16"]),
     "hsdp_1x2_bf16_transport": (4, ["--parallelism.data_parallel", "hsdp", "--parallelism.shard_degree", "2",
                                     "--training.mixed_precision_param", "bfloat16"]),  # auto: the transport
+    # ... and with two micro-steps a step, whose reduce carries float32 sums: NCCL's reduce-scatter either way
+    "fsdp_bf16_accum2": (2, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param", "bfloat16",
+                             "--parallelism.fsdp_gradient_transport", "reduce_dtype", "--training.global_batch_size", "8"]),
+    "fsdp_bf16_accum2_transport": (2, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param",
+                                       "bfloat16", "--training.global_batch_size", "8"]),
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
     "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16"]),
 }
 # bf16 gradients or bf16 compute: close to the reference, not equal
-LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport", "hsdp_1x2_bf16_transport"}
+LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport", "hsdp_1x2_bf16_transport",
+         "fsdp_bf16_accum2", "fsdp_bf16_accum2_transport"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
@@ -180,6 +186,10 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     # hsdp's shard groups reduce the same way (auto takes the transport with bf16 compute)
     hsdp = results["hsdp_1x2_bf16_transport"]
     assert hsdp["losses"] == fsdp["losses"] and hsdp["all_to_all"] == 6 * STEPS
+    # accumulated gradients are float32 sums that bf16 would round: the transport leaves them to NCCL
+    accum, accum_auto = results["fsdp_bf16_accum2"], results["fsdp_bf16_accum2_transport"]
+    assert accum_auto["losses"] == accum["losses"] and accum_auto["all_to_all"] == accum["all_to_all"] == 0
+    assert accum["losses"] == pytest.approx(single, rel=2e-3)
     assert results["fsdp"]["all_to_all"] == 0  # float32 compute: float32 gradients, NCCL's reduce-scatter
 
 
@@ -607,13 +617,13 @@ def _owner_sum_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         pieces.copy_(torch.randn(world * n, generator=g) * 10 ** torch.randint(-3, 4, (world * n,), generator=g))
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             comm(shard, pieces, None, op)
-            nccl_like = torch.empty(n)  # the float32 reduce-scatter of the same bf16 values
-            dist.reduce_scatter_tensor(nccl_like, pieces.float(), op=dist.ReduceOp.SUM)
+            scattered = torch.empty(n)  # the process group's float32 reduce-scatter of the same bf16 values
+            dist.reduce_scatter_tensor(scattered, pieces.float(), op=dist.ReduceOp.SUM)
             if op == dist.ReduceOp.AVG:
-                nccl_like /= world
+                scattered /= world
             if rank == 0:
                 results[str(op)] = {"dtypes": [str(pieces.dtype), str(shard.dtype)],
-                                    "max_rel": ((shard - nccl_like).abs() / nccl_like.abs().clamp_min(1e-30)).max().item()}
+                                    "max_rel": ((shard - scattered).abs() / scattered.abs().clamp_min(1e-30)).max().item()}
 
 
 def test_owner_sum_is_the_float32_reduce_scatter_at_half_the_bytes(tmp_path):
@@ -628,35 +638,59 @@ def test_owner_sum_is_the_float32_reduce_scatter_at_half_the_bytes(tmp_path):
         assert r["max_rel"] < 1e-6
 
 
-@pytest.mark.parametrize("setting,bf16,reduce_dtype,shard,why", [
-    ("auto", True, "float32", 8, "bfloat16"),
-    ("bfloat16", True, "float32", 2, "bfloat16"),
-    ("reduce_dtype", True, "float32", 8, "reduce_dtype"),
-    ("auto", False, "float32", 8, "reduce_dtype: the gradients are float32"),
-    ("auto", True, "bfloat16", 8, "reduce_dtype: fsdp_reduce_dtype=bfloat16 already reduces bf16"),
-    ("auto", True, "float32", 1, "reduce_dtype: a shard group of one rank reduces nothing"),  # hsdp, shards of one
-    ("bfloat16", True, "float32", 1, "reduce_dtype: a shard group of one rank"),
+@pytest.mark.parametrize("setting,extra,device,shard,why", [
+    ("auto", [], "cuda", 8, "bfloat16"),
+    ("bfloat16", [], "cuda", 2, "bfloat16"),
+    ("bfloat16", ["--training.mixed_precision_param", "bfloat16"], "cpu", 2, "bfloat16"),
+    ("reduce_dtype", [], "cuda", 8, "reduce_dtype"),
+    ("auto", [], "cpu", 8, "reduce_dtype: training.mixed_precision_param=auto gives float32 gradients on cpu"),
+    ("auto", ["--training.mixed_precision_param", "float32"], "cuda", 8,
+     "reduce_dtype: training.mixed_precision_param=float32 gives float32 gradients"),
+    ("auto", ["--parallelism.fsdp_reduce_dtype", "bfloat16"], "cuda", 8,
+     "reduce_dtype: parallelism.fsdp_reduce_dtype=bfloat16 already reduces bf16"),
+    ("auto", [], "cuda", 1, "reduce_dtype: a shard group of one rank reduces nothing"),  # hsdp, shards of one
+    ("bfloat16", [], "cuda", 1, "reduce_dtype: a shard group of one rank reduces nothing"),
 ])
-def test_gradient_transport_takes_bf16_where_it_saves_bytes(setting, bf16, reduce_dtype, shard, why):
+def test_gradient_transport_takes_bf16_where_it_saves_bytes(setting, extra, device, shard, why):
+    from titanlite.config import parallel_settings
     from titanlite.parallel.fsdp import gradient_transport
 
-    use, reason = gradient_transport(setting, bf16, reduce_dtype, shard)
-    assert use is (why == "bfloat16") and reason.startswith(why), reason
+    cfg = load_config(["--parallelism.fsdp_gradient_transport", setting, *extra])
+    use, reason = gradient_transport(parallel_settings(cfg), device, shard)
+    assert use is (why == "bfloat16") and reason == why, reason
 
 
 def test_gradient_transport_bfloat16_refuses_where_it_cannot(tmp_path):
-    """Asked for where there are no bf16 gradients to carry: one line before torchrun, exit 2; where only the
-    run itself can tell (float32 compute on a CPU), a ConfigError."""
+    """Asked for where there are no bf16 gradients to carry: one line before torchrun, exit 2 (on this
+    machine without a GPU also for the default precision, which computes float32 here); at start-up, a
+    ConfigError."""
+    from titanlite.config import parallel_settings
     from titanlite.parallel.fsdp import gradient_transport
 
     for extra, why in ((["--parallelism.data_parallel", "ddp"], "parallelism.data_parallel=ddp reduces no FSDP gradients"),
                        (["--parallelism.fsdp_reduce_dtype", "bfloat16"],
                         "parallelism.fsdp_reduce_dtype=bfloat16 already reduces bf16"),
                        (["--training.mixed_precision_param", "float32"],
-                        "training.mixed_precision_param=float32 makes float32 gradients")):
+                        "training.mixed_precision_param=float32 gives float32 gradients"),
+                       ([], "training.mixed_precision_param=auto gives float32 gradients on cpu")):
         r = subprocess.run([sys.executable, "-m", "titanlite.config.check", "--world-size", "2", *extra,
                             "--parallelism.fsdp_gradient_transport", "bfloat16"], capture_output=True, text=True, cwd=ROOT)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [
             f"error: parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype"], r.stderr
-    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_gradient_transport=bfloat16: the gradients are float32"):
-        gradient_transport("bfloat16", False, "float32", 2)
+    cfg = load_config(["--parallelism.fsdp_gradient_transport", "bfloat16"])
+    with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_gradient_transport=bfloat16: training\.mixed_precision_param=auto"):
+        gradient_transport(parallel_settings(cfg), "cpu", 2)
+
+
+def test_hsdp_replicas_all_reduce_what_the_bf16_transport_reduced(tmp_path):
+    """hsdp over 4 ranks, 2 replicas x 2 shards, bf16 compute: each shard group reduces through the
+    all-to-all and the float32 sum, then the replicas all-reduce the float32 shards; the same losses as
+    NCCL's reduce-scatter in the shard groups (a sum of two, the same all-reduce after it)."""
+    hsdp = ["--parallelism.data_parallel", "hsdp", "--parallelism.replicate_degree", "2",
+            "--training.mixed_precision_param", "bfloat16", "--parallelism.fsdp_gradient_transport"]
+    runs = {"nccl": (2, hsdp + ["reduce_dtype"]), "transport": (2, hsdp + ["bfloat16"])}
+    mp.spawn(_worker, args=(4, free_port(), str(tmp_path), runs), nprocs=4, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["transport"]["mesh"] == results["nccl"]["mesh"] == [2, 2]
+    assert results["transport"]["losses"] == results["nccl"]["losses"]
+    assert results["nccl"]["all_to_all"] == 0 and results["transport"]["all_to_all"] == 6 * STEPS

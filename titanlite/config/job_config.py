@@ -142,8 +142,9 @@ class Parallelism:
     fsdp_gradient_transport: Literal["auto", "bfloat16", "reduce_dtype"] = doc(
         "auto", "fsdp/hsdp with bf16 compute and a float32 fsdp_reduce_dtype: bfloat16 = the bf16 gradients cross "
                 "the link as computed, in one all-to-all, and each rank sums the pieces of its own shard in float32 "
-                "(a float32 reduction, as NCCL's, at half the bytes); reduce_dtype = NCCL's reduce-scatter of float32 "
-                "copies; auto = bfloat16 where it applies, and says which")
+                "(a float32 reduction, as NCCL's, at half the bytes; a step of several micro-steps reduces its float32 "
+                "sums as reduce_dtype does); reduce_dtype = NCCL's reduce-scatter of float32 copies; auto = bfloat16 "
+                "where it applies, and says which")
     fsdp_blocks_per_group: int = doc(
         0, "fsdp/hsdp: consecutive transformer blocks sharded as one FSDP group (one gather, one reduce-scatter and "
            "one set of hooks for them all), so the host spends less time launching a step and a busy host does "

@@ -27,7 +27,7 @@ from titanlite.config.settings import parallel_settings, run_mode
 from titanlite.errors import BAD_INPUT_EXIT, ConfigError, to_pipe
 from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.modes import MODES
-from titanlite.parallel.policy import hsdp_shape
+from titanlite.parallel.policy import bf16_gradients_refusal, bf16_transport_error, hsdp_shape
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -316,15 +316,10 @@ def check_combination(cfg: JobConfig, world: int, ranks_per_host: int | None = N
     if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not MODES[cfg.parallelism.data_parallel].shards_params:
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
-    if cfg.parallelism.fsdp_gradient_transport == "bfloat16":
-        p = cfg.parallelism
-        why = (f"parallelism.data_parallel={p.data_parallel} reduces no FSDP gradients"
-               if not MODES[p.data_parallel].shards_params else
-               "parallelism.fsdp_reduce_dtype=bfloat16 already reduces bf16" if p.fsdp_reduce_dtype != "float32" else
-               "training.mixed_precision_param=float32 makes float32 gradients"
-               if cfg.training.mixed_precision_param == "float32" else None)
-        if why:
-            raise ConfigError(f"parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype")
+    if cfg.parallelism.fsdp_gradient_transport == "bfloat16":  # the device is checked at start-up
+        settings = parallel_settings(cfg)
+        if why := bf16_gradients_refusal(settings.data_parallel, settings.precision, "cuda"):
+            raise bf16_transport_error(why)
 
 
 def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:

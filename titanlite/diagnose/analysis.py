@@ -27,7 +27,7 @@ part in no stall, communication or straggler finding.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from titanlite.diagnose.advice import ADVICE, advise, device_cause
 from titanlite.diagnose.reconstruct import HARDWARE_FLAG, MISREPORTS, MODEL_FLAG, Reconstruction, registry_args
@@ -35,6 +35,8 @@ from titanlite.diagnose.runs import GPU_READINGS, PHASES, Run, iqr
 from titanlite.hardware import lookup
 from titanlite.models.args import mfu_pct
 from titanlite.parallel.modes import MODES
+from titanlite.parallel.policy import bf16_gradients_refusal
+from titanlite.parallel.settings import DataParallelSettings, PrecisionSettings
 
 SEVERITY_ORDER = {"high": 0, "medium": 1, "low": 2, "info": 3}
 # kinds ranked before any other: nothing else compares like for like, or nothing else is measured yet
@@ -315,13 +317,17 @@ def gradient_bytes(run: Run) -> float | None:
 
 
 def gradients_cross_bf16(run: Run) -> bool:
-    """Did fsdp's bf16 gradients cross the link as they are (parallelism.fsdp_gradient_transport, titanlite's
-    fsdp and hsdp with bf16 compute and a float32 reduction)? False where the log does not say."""
+    """Did fsdp's bf16 gradients cross the link as they are (parallelism.fsdp_gradient_transport: titanlite's
+    fsdp and hsdp with bf16 compute, a float32 reduction and one micro-step a step)? False where the log
+    does not say."""
     c = run.config
-    compute_bf16 = c.get("training.mixed_precision_param") == "bfloat16" or (
-        c.get("training.mixed_precision_param") == "auto" and run.hardware.get("device") == "cuda")
-    return (c.get("parallelism.fsdp_gradient_transport") in ("auto", "bfloat16") and compute_bf16
-            and c.get("parallelism.fsdp_reduce_dtype") == "float32" and c.get("data_parallel") in ("fsdp", "hsdp"))
+    if c.get("parallelism.fsdp_gradient_transport") not in ("auto", "bfloat16") or c.get("data_parallel") not in MODES:
+        return False
+    dp = DataParallelSettings(**{f.name: c.get(f"parallelism.{f.name}") for f in fields(DataParallelSettings)})
+    dp = replace(dp, data_parallel=c["data_parallel"])
+    precision = PrecisionSettings(c.get("training.mixed_precision_param"), c.get("training.bf16_params"))
+    return (bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is None
+            and c.get("gradient_accumulation_steps", 1) == 1)
 
 
 def allreduce_ms(run: Run, gbps: float) -> float | None:

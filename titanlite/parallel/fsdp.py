@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+
+from titanlite.parallel.copy_engine import gathers_on_copy_engines
+from titanlite.ops.master_linear import MasterWeights
+from titanlite.parallel.dims import ParallelDims
+from titanlite.parallel.policy import bf16_gradients_refusal, bf16_transport_error, computes_bf16
+from titanlite.parallel.settings import ParallelSettings
+
 try:  # FSDP's interface for a reduce-scatter of one's own (torch 2.11 and 2.13 have it)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 except ImportError:
     ReduceScatter = None
 CUSTOM_REDUCE_SCATTER = ReduceScatter is not None and hasattr(FSDPModule, "set_custom_reduce_scatter")
-
-from titanlite.errors import ConfigError
-from titanlite.parallel.copy_engine import gathers_on_copy_engines
-from titanlite.ops.master_linear import MasterWeights
-from titanlite.parallel.dims import ParallelDims
-from titanlite.parallel.policy import computes_bf16
-from titanlite.parallel.settings import DataParallelSettings, ParallelSettings
 
 # fsdp_reshard_after_forward=auto: the blocks keep their gathered parameters from forward to backward
 # when all of them together take at most this share of the GPU's memory
@@ -105,22 +106,22 @@ def quiet_head_group(output: nn.Module) -> None:
         log.addFilter(_HEAD_IN_LOSS)
 
 
-def gradient_transport(setting: str, bf16: bool, reduce_dtype: str, shard: int) -> tuple[bool, str]:
+def gradient_transport(settings: ParallelSettings, device_type: str, shard: int) -> tuple[bool, str]:
     """parallelism.fsdp_gradient_transport: do the bf16 gradients cross the link as they are, summed in float32
     by the shard's owner (OwnerSumReduceScatter), and why (one phrase)? Only where there is something to
-    save: bf16 gradients (bf16 compute) reduced in float32 over more than one rank. `bfloat16` where that
-    does not hold raises ConfigError (the config check refuses the cases it can see before torchrun)."""
+    save: FSDP's bf16 gradients (bf16 compute) reduced in float32 over more than one rank
+    (policy.bf16_gradients_refusal). `bfloat16` where the gradients are not such raises ConfigError (the
+    config check refuses what it can see before torchrun); over one rank it reduces nothing either way."""
+    setting = settings.data_parallel.fsdp_gradient_transport
     if setting == "reduce_dtype":
         return False, "reduce_dtype"
-    why = ("the gradients are float32 (float32 compute)" if not bf16 else
-           "fsdp_reduce_dtype=bfloat16 already reduces bf16" if reduce_dtype != "float32" else
-           f"torch {torch.__version__} has no custom reduce-scatter for FSDP" if not CUSTOM_REDUCE_SCATTER else
-           "a shard group of one rank reduces nothing" if shard == 1 else None)
-    if why is None:
-        return True, "bfloat16"
-    if setting == "bfloat16" and shard > 1:
-        raise ConfigError(f"parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype")
-    return False, f"reduce_dtype: {why}"
+    why = bf16_gradients_refusal(settings.data_parallel, settings.precision, device_type) or (
+        None if CUSTOM_REDUCE_SCATTER else f"torch {torch.__version__} has no custom reduce-scatter for FSDP")
+    if why and setting == "bfloat16":
+        raise bf16_transport_error(why)
+    if why is None and shard == 1:
+        why = "a shard group of one rank reduces nothing"
+    return (False, f"reduce_dtype: {why}") if why else (True, "bfloat16")
 
 
 class OwnerSumReduceScatter(ReduceScatter or object):
@@ -138,6 +139,9 @@ class OwnerSumReduceScatter(ReduceScatter or object):
     def __init__(self, world: int, reduce_dtype: torch.dtype):
         self.world, self.reduce_dtype = world, reduce_dtype
         self._input_numel: int | None = None  # the input just handed out, whose output comes next
+        # micro-steps without a reduce went before this one (note_gradient_sync): FSDP then holds the
+        # gradients as float32 sums, which bf16 would round, so this reduce keeps NCCL's float32 one
+        self.accumulated = False
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(size)
@@ -145,14 +149,16 @@ class OwnerSumReduceScatter(ReduceScatter or object):
             self._input_numel = None
             return torch.empty(size, dtype=dtype, device=device)
         self._input_numel = numel
-        return torch.empty(size, dtype=torch.bfloat16 if dtype == self.reduce_dtype else dtype, device=device)
+        bf16 = dtype == self.reduce_dtype and not self.accumulated
+        return torch.empty(size, dtype=torch.bfloat16 if bf16 else dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        if not isinstance(input_tensor, torch.Tensor) or output_tensor.dtype != self.reduce_dtype:
+        if output_tensor.dtype != self.reduce_dtype:
             raise RuntimeError(f"parallelism.fsdp_gradient_transport=bfloat16: torch {torch.__version__}'s FSDP "
                                f"reduces gradients in a way titanlite does not know; set it to reduce_dtype")
+        self.accumulated = False  # the next step starts afresh
         if input_tensor.dtype != torch.bfloat16 or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            # not bf16 gradients, or a divide factor of FSDP's own (set_gradient_divide_factor): NCCL's
+            # accumulated float32 sums, or a divide factor of FSDP's own (set_gradient_divide_factor): NCCL's
             # reduce-scatter in the reduce dtype, as without this class
             return dist.reduce_scatter_tensor(output_tensor, input_tensor.to(output_tensor.dtype), op=op, group=group,
                                               async_op=async_op)
@@ -162,6 +168,18 @@ class OwnerSumReduceScatter(ReduceScatter or object):
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(self.world)
         return None
+
+
+# the root module -> its FSDP groups' OwnerSumReduceScatter (set_gradient_transport), for note_gradient_sync
+_TRANSPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """A micro-step without a reduce (`enabled` False: gradient accumulation) leaves float32 sums for the
+    step's reduce, which its groups then carry as NCCL's float32 reduce-scatter (OwnerSumReduceScatter)."""
+    if not enabled:
+        for comm in _TRANSPORTS.get(model, ()):
+            comm.accumulated = True
 
 
 def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> nn.Module:
@@ -206,23 +224,30 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         if settings.loss == "chunked":
             quiet_head_group(model.output)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
-    transport_gradients_bf16(model, dp, bf16, dims, log)
+    set_gradient_transport(model, settings, dims, log)
     return model
 
 
-def transport_gradients_bf16(model: nn.Module, dp: DataParallelSettings, bf16: bool, dims: ParallelDims, log) -> None:
-    """parallelism.fsdp_gradient_transport on the sharded `model` (gradient_transport, OwnerSumReduceScatter);
-    `auto` says on the main rank what it chose."""
-    shard = dims.size("dp_shard")
-    use, why = gradient_transport(dp.fsdp_gradient_transport, bf16, dp.fsdp_reduce_dtype, shard)
-    if dp.fsdp_gradient_transport == "auto":
-        log(f"parallelism.fsdp_gradient_transport=auto: {why}"
-            + (" (the bf16 gradients cross the link in an all-to-all; each rank sums its shard's pieces in float32)"
-               if use else ""))
-    if use:
-        for m in model.modules():
-            if isinstance(m, FSDPModule):  # one per group: each pairs its own input and output
-                m.set_custom_reduce_scatter(OwnerSumReduceScatter(shard, getattr(torch, dp.fsdp_reduce_dtype)))
+def set_gradient_transport(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, log) -> None:
+    """parallelism.fsdp_gradient_transport on the sharded `model` (gradient_transport, OwnerSumReduceScatter):
+    one reduce-scatter of its own for each FSDP group (blocks grouped together are several FSDPModules of
+    one state). The main rank says what was chosen unless it was `reduce_dtype`."""
+    setting, shard = settings.data_parallel.fsdp_gradient_transport, dims.size("dp_shard")
+    use, why = gradient_transport(settings, dims.device.type, shard)
+    if setting != "reduce_dtype":
+        log(f"parallelism.fsdp_gradient_transport={setting}: {why}" + (
+            " (the bf16 gradients cross the link in an all-to-all and each rank sums its shard's pieces in float32; "
+            "a step of several micro-steps reduces float32 sums, with NCCL's reduce-scatter)" if use else ""))
+    if not use:
+        return
+    comms = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = fully_shard.state(m)
+            if id(state) not in comms:
+                comms[id(state)] = OwnerSumReduceScatter(shard, getattr(torch, settings.data_parallel.fsdp_reduce_dtype))
+            m.set_custom_reduce_scatter(comms[id(state)])
+    _TRANSPORTS[model] = list(comms.values())
 
 
 def apply_fsdp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, masters: MasterWeights) -> nn.Module:

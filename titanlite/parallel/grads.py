@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from titanlite.ops.master_linear import MasterWeights, release_stale
+from titanlite.parallel.fsdp import note_gradient_sync
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -27,6 +28,7 @@ def grad_sync(model: nn.Module, enabled: bool):
         return contextlib.nullcontext() if enabled else model.no_sync()
     if is_fsdp(model):
         model.set_requires_gradient_sync(enabled)  # applies to every FSDP module below the root
+        note_gradient_sync(model, enabled)  # accumulated float32 sums do not cross in bf16
     return contextlib.nullcontext()
 
 

@@ -30,6 +30,24 @@ def computes_bf16(precision: PrecisionSettings, device_type: str) -> bool:
     return setting == "bfloat16" or (setting == "auto" and device_type == "cuda")
 
 
+def bf16_gradients_refusal(dp: DataParallelSettings, precision: PrecisionSettings, device_type: str) -> str | None:
+    """Why parallelism.fsdp_gradient_transport has no bf16 gradients to carry in a run on `device_type`, or None:
+    they must be FSDP's (fsdp, hsdp), computed in bf16 and reduced in float32."""
+    if not MODES[dp.data_parallel].shards_params:
+        return f"parallelism.data_parallel={dp.data_parallel} reduces no FSDP gradients"
+    if dp.fsdp_reduce_dtype != "float32":
+        return "parallelism.fsdp_reduce_dtype=bfloat16 already reduces bf16"
+    if not computes_bf16(precision, device_type):
+        return (f"training.mixed_precision_param={precision.mixed_precision_param} gives float32 gradients"
+                + (f" on {device_type}" if precision.mixed_precision_param == "auto" else ""))
+    return None
+
+
+def bf16_transport_error(why: str) -> ConfigError:
+    """parallelism.fsdp_gradient_transport=bfloat16 refused, `why` being bf16_gradients_refusal's phrase or the like."""
+    return ConfigError(f"parallelism.fsdp_gradient_transport=bfloat16: {why}; set it to auto or reduce_dtype")
+
+
 def autocasts(precision: PrecisionSettings, mode: Mode, device_type: str = "cuda") -> bool:
     """Does the forward of a run in `mode` run under bf16 autocast? Where the run computes in bf16,
     unless the mode shards parameters (FSDP's policy then gives bf16 parameters). With
