@@ -2,7 +2,8 @@
 
 The mesh is dims.mesh: one dp_shard dimension for fsdp, dp_replicate x dp_shard for hsdp (FSDP2
 shards along the last dimension and replicates along the first). The gathers then go where
-parallelism.fsdp_copy_engine_all_gather puts them (titanlite.parallel.copy_engine).
+parallelism.fsdp_copy_engine_all_gather puts them (titanlite.parallel.copy_engine), and the gradients
+reduce as parallelism.fsdp_gradient_transport says (OwnerSumReduceScatter).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
 
 from titanlite.parallel.copy_engine import gathers_on_copy_engines
 from titanlite.ops.master_linear import MasterWeights
