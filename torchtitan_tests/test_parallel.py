@@ -584,13 +584,15 @@ def test_fsdp_head_group_warning_of_torch_2_11_is_dropped_only_for_the_output():
 
     import torch.nn as nn
 
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
     from titanlite.parallel.fsdp import quiet_head_group
 
-    name = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    log = _fsdp_state.logger  # the logger FSDP warns through
+    name = log.name
     out = nn.Linear(8, 32, bias=False)
     quiet_head_group(out)
     quiet_head_group(out)  # a second run in the process: one filter
-    log = logging.getLogger(name)
     assert sum(type(f).__name__ == "_HeadRunsInsideTheLoss" for f in log.filters) == 1
 
     def kept(modules: str, text: str = "did not run forward before backward") -> bool:

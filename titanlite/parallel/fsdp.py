@@ -96,12 +96,15 @@ class _HeadRunsInsideTheLoss(logging.Filter):
 
 
 _HEAD_IN_LOSS = _HeadRunsInsideTheLoss()
+# the logger FSDP's state module warns through (`logger` in torch/distributed/fsdp/_fully_shard/_fsdp_state.py,
+# torch 2.11 and 2.13): a filter on any other name never sees the warning
+FSDP_STATE_LOGGER = "torch.distributed.fsdp.fully_shard"
 
 
 def quiet_head_group(output: nn.Module) -> None:
     """Keep torch 2.11's warning about the [norm, output] group out of the log (_HeadRunsInsideTheLoss)."""
     _HEAD_IN_LOSS.outputs.add(repr(output))
-    log = logging.getLogger("torch.distributed.fsdp._fully_shard._fsdp_state")
+    log = logging.getLogger(FSDP_STATE_LOGGER)
     if _HEAD_IN_LOSS not in log.filters:
         log.addFilter(_HEAD_IN_LOSS)
 
