@@ -13,12 +13,10 @@ import shutil
 import subprocess
 import sys
 
-from titanlite.config.manager import ConfigError, load_config, resolve_batch, run_cli
+from titanlite.config.manager import ConfigError, check_bf16_transport, load_config, resolve_batch, run_cli
 from titanlite.errors import missing_package
 from titanlite.hardware import FLOAT8_CAPABILITY, float8_refusal
-from titanlite.config.settings import parallel_settings
 from titanlite.parallel.launcher_env import Launch
-from titanlite.parallel.policy import bf16_gradients_refusal, bf16_transport_error
 
 
 def gpus() -> list[tuple[str, tuple[int, int]]] | None:
@@ -65,10 +63,8 @@ def check_launch(cfg, capabilities: list[tuple[int, int]] | None) -> None:
                                              f"compute capability {lacking[0][0]}.{lacking[0][1]}"))
     if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not capabilities:
         raise ConfigError("parallelism.fsdp_copy_engine_all_gather=on needs CUDA GPUs and NCCL; this machine has no GPU")
-    if cfg.parallelism.fsdp_gradient_transport == "bfloat16" and not capabilities:
-        settings = parallel_settings(cfg)
-        if why := bf16_gradients_refusal(settings.data_parallel, settings.precision, "cpu"):
-            raise bf16_transport_error(why)
+    if not capabilities:
+        check_bf16_transport(cfg, "cpu")
 
 
 def check(argv: list[str], world: int) -> tuple:

@@ -316,9 +316,15 @@ def check_combination(cfg: JobConfig, world: int, ranks_per_host: int | None = N
     if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not MODES[cfg.parallelism.data_parallel].shards_params:
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
-    if cfg.parallelism.fsdp_gradient_transport == "bfloat16":  # the device is checked at start-up
+    check_bf16_transport(cfg, "cuda")  # a GPU's compute here; check_launch knows whether there is one
+
+
+def check_bf16_transport(cfg: JobConfig, device_type: str) -> None:
+    """parallelism.fsdp_gradient_transport=bfloat16 refused where a run on `device_type` has no bf16 FSDP
+    gradients to carry (policy.bf16_gradients_refusal)."""
+    if cfg.parallelism.fsdp_gradient_transport == "bfloat16":
         settings = parallel_settings(cfg)
-        if why := bf16_gradients_refusal(settings.data_parallel, settings.precision, "cuda"):
+        if why := bf16_gradients_refusal(settings.data_parallel, settings.precision, device_type):
             raise bf16_transport_error(why)
 
 
