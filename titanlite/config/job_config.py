@@ -134,13 +134,6 @@ class Parallelism:
     ddp_reduce_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "ddp/zero1: gradient all-reduce dtype; bfloat16 halves the bytes (a comm hook: cast to bf16, "
                    "divide by the ranks, all-reduce, copy back into the fp32 bucket)")
-    ddp_copy_engine_all_gather: Literal["auto", "on", "off"] = doc(
-        "auto", "ddp/zero1 on CUDA: each bucket's all-reduce as NCCL's float32 reduce-scatter (SM kernels) and then "
-                "an all-gather of the reduced pieces into DDP's buckets, held in NCCL symmetric memory, over a "
-                "communicator of its own under NCCL's zero-CTA policy, so the copy engines move that half over "
-                "NVLink beside the backward (same sums, every rank the same bits; needs NCCL >= 2.28). auto = on "
-                "where every replica of the group is inside one NVSwitch host (H100 SXM, H200, B200), and says "
-                "which; on = refuse to start where it cannot; off = NCCL's all-reduce")
     fsdp_reshard_after_forward: Literal["auto", "default", "always", "never"] = doc(
         "auto", "fsdp/hsdp: free gathered params after forward (default = all but the root; auto = as default, "
                 "except that the blocks keep theirs when all their gathered params take at most 1/16 of the "

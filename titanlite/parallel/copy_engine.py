@@ -1,11 +1,10 @@
-"""All-gathers on the GPU's copy engines: FSDP's parameter gathers (parallelism.fsdp_copy_engine_all_gather)
-and the second half of ddp's gradient all-reduce (parallelism.ddp_copy_engine_all_gather, titanlite.parallel.ddp).
+"""parallelism.fsdp_copy_engine_all_gather: FSDP's parameter gathers on the GPU's copy engines.
 
-The gathered buffers live in NCCL symmetric memory and the gathers run over a communicator of their own made
-under NCCL's zero-CTA policy, so the bytes move on the copy engines instead of SM kernels, beside the GEMMs;
-the reductions keep the job's communicator. The pieces: whether this process can (`copy_engine_refusal`),
-whether a setting takes them (`copy_engine_decision`, `copy_engines_chosen`), the communicator
-(`zero_cta_group`), and FSDP's gather (`copy_engine_all_gather`).
+Every FSDP module gathers into NCCL symmetric memory over a communicator of its own made under
+NCCL's zero-CTA policy, so the gathered bytes move on the copy engines instead of SM kernels, beside
+the GEMMs; the reduce-scatters keep the job's communicator. The pieces: whether this process can
+(`copy_engine_refusal`), whether the setting takes them (`copy_engine_decision`), and the gather
+itself (`copy_engine_all_gather`).
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ COPY_ENGINE_NCCL = (2, 28)
 
 
 def copy_engine_refusal(dims: ParallelDims) -> str | None:
-    """Why this process cannot gather on the copy engines, or None: a phrase starting "needs", which `on`
-    refuses with and `auto` logs. (FSDP's custom all-gather hook is asked for too: ddp's gathers need
-    only the rest, but a torch with the CTA policy and symmetric memory has it.)"""
+    """Why this process cannot gather on the copy engines (parallelism.fsdp_copy_engine_all_gather), or None:
+    a phrase starting "needs", which `on` refuses with and `auto` logs."""
     backend = dist.get_backend() if dist.is_initialized() else None
     if dims.device.type != "cuda" or backend != "nccl":
         return f"needs CUDA GPUs and NCCL, not {dims.device.type} with {backend or 'no process group'}"
@@ -61,19 +59,18 @@ COPY_ENGINE_MIN_LINK_GBPS = 400.0
 
 
 def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int, ranks_per_host: int | None,
-                         gpu: str, link_gbps: float | None,
-                         key: str = "parallelism.fsdp_copy_engine_all_gather") -> tuple[bool, str]:
-    """Setting `key` (auto | on | off): do the gathers run on the copy engines, and why (one phrase).
-    `refusal`: copy_engine_refusal's answer, or the caller's own reason; `shard`: ranks in a gather group;
-    `ranks_per_host`: torchrun's LOCAL_WORLD_SIZE (None: unknown); `gpu`, `link_gbps`: the device's name
-    and its link in titanlite.hardware's table (None: not in it). `on` raises ConfigError where it cannot;
-    `auto` is on where every gather group is inside one host on an NVSwitch fabric (NCCL's copy-engine
-    path runs over NVLink) and float8 is off (float8's parameter gathers were never measured there)."""
+                         gpu: str, link_gbps: float | None) -> tuple[bool, str]:
+    """parallelism.fsdp_copy_engine_all_gather: do the gathers run on the copy engines, and why (one phrase).
+    `refusal`: copy_engine_refusal's answer; `shard`: ranks in a gather group; `ranks_per_host`: torchrun's
+    LOCAL_WORLD_SIZE (None: unknown); `gpu`, `link_gbps`: the device's name and its link in titanlite.hardware's table
+    (None: not in it). `on` raises ConfigError where it cannot; `auto` is on where every gather group is
+    inside one host on an NVSwitch fabric (NCCL's copy-engine path runs over NVLink) and float8 is off
+    (float8's gathers were never measured there)."""
     if setting == "off":
         return False, "off"
     if setting == "on":
         if refusal:
-            raise ConfigError(f"{key}=on {refusal}")
+            raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on {refusal}")
         return True, "on"
     if refusal:
         return False, f"off: it {refusal}"
@@ -92,33 +89,27 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
     return True, "on"
 
 
-def copy_engines_chosen(key: str, setting: str, dims: ParallelDims, dim: str, float8: bool = False,
-                        refusal: str | None = None, what: str = "") -> bool:
-    """Setting `key` decided for gather groups along mesh dimension `dim` (copy_engine_decision; `refusal`
-    a reason of the caller's, checked before this process's own); `auto` says on the main rank what it
-    chose, `what` being what moves where it is on. Building the gather groups is collective, so under
-    `auto` the ranks take the copy engines only where every one of them can."""
+def gathers_on_copy_engines(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> None:
+    """Apply parallelism.fsdp_copy_engine_all_gather to the sharded `model` (see copy_engine_decision);
+    `auto` says on the main rank what it chose. Building the gather groups is collective, so under `auto`
+    the ranks take the copy engines only where every one of them can."""
+    setting = settings.data_parallel.fsdp_copy_engine_all_gather
     if setting == "off":
-        return False
+        return
     gpu = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else dims.device.type
     hw = lookup(gpu)
-    use, why = copy_engine_decision(setting, refusal or copy_engine_refusal(dims), float8, dims.size(dim),
-                                    dims.ranks_per_host, gpu, hw.link_gbps if hw else None, key)
+    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), settings.float8.enable, dims.size("dp_shard"),
+                                    dims.ranks_per_host, gpu, hw.link_gbps if hw else None)
     if setting == "auto" and dist.is_initialized():
         agreed = torch.tensor([int(use)], device=dims.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if use and not agreed.item():
             use, why = False, "off: another rank cannot take the copy engines"
     if setting == "auto" and dims.is_main:
-        logging.getLogger("titanlite").info(f"{key}=auto: {why}" + (f" ({what})" if use and what else ""))
-    return use
-
-
-def gathers_on_copy_engines(model: nn.Module, settings: ParallelSettings, dims: ParallelDims) -> None:
-    """Apply parallelism.fsdp_copy_engine_all_gather to the sharded `model` (copy_engines_chosen)."""
-    if copy_engines_chosen("parallelism.fsdp_copy_engine_all_gather",
-                           settings.data_parallel.fsdp_copy_engine_all_gather, dims, "dp_shard", settings.float8.enable,
-                           what="the parameter gathers move over NVLink on the copy engines, beside the GEMMs"):
+        logging.getLogger("titanlite").info(
+            f"parallelism.fsdp_copy_engine_all_gather=auto: {why}"
+            + (" (the parameter gathers move over NVLink on the copy engines, beside the GEMMs)" if use else ""))
+    if use:
         copy_engine_all_gather(model, dims.mesh)
 
 
@@ -128,13 +119,13 @@ def copy_engine_all_gather(model: nn.Module, mesh) -> None:
     kernels, so the gathers stop taking SMs from the GEMMs they overlap, while the reduce-scatters
     keep the job's communicator and its full share of SMs. (copy_engine_refusal has checked that
     this torch and NCCL can.)"""
-    comm = _symmetric_all_gather(zero_cta_group(mesh, "dp_shard"))
+    comm = _symmetric_all_gather(_zero_cta_group(mesh, "dp_shard"))
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(comm)
 
 
-def zero_cta_group(mesh, dim: str):
+def _zero_cta_group(mesh, dim: str):
     """This rank's group along mesh dimension `dim`, as a new NCCL communicator under the zero-CTA policy.
     Every rank makes every group of the dimension (new_group is collective over the whole job)."""
     opts = dist.ProcessGroupNCCL.Options()

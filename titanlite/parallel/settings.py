@@ -21,7 +21,6 @@ class DataParallelSettings:
     ddp_bucket_cap_mb: int
     ddp_bucket_view: bool
     ddp_reduce_dtype: str             # "float32" | "bfloat16"
-    ddp_copy_engine_all_gather: str   # "auto" | "on" | "off"
     fsdp_reshard_after_forward: str   # "auto" | "default" | "always" | "never"
     fsdp_reduce_dtype: str            # "float32" | "bfloat16"
     fsdp_gradient_transport: str      # "auto" | "bfloat16" | "reduce_dtype"
