@@ -8,6 +8,7 @@ alike), as run.sh passes them on (colours removed there; one sample keeps them t
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -695,3 +696,13 @@ def test_step_host_time_refuses_a_bad_option_in_one_line(args):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_host_time.py"), *args], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("step_host_time: "), r.stderr
+
+
+def test_every_measurement_record_is_in_the_index_and_every_index_link_exists():
+    """benchmarks/results/README.md lists each dated record (docs/performance.md points there for history)."""
+    results = ROOT / "benchmarks" / "results"
+    index = (results / "README.md").read_text()
+    records = {p.name for p in results.glob("20*.md")}
+    linked = set(re.findall(r"\]\((20[^)]+\.md)\)", index))
+    assert records - linked == set(), "records missing from benchmarks/results/README.md"
+    assert linked - records == set(), "index links to records that do not exist"
