@@ -397,6 +397,43 @@ def test_float8_backward_fast_accum_reaches_the_backward_gemms(tmp_path, fast):
     t.close()
 
 
+def _fsdp_float8_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from titanlite.parallel.grads import local_tensor
+
+    with gloo_rank(rank, world, port, out_dir) as results:
+        for fused in ("true", "false"):
+            t = Trainer(load_config(base_args(os.path.join(out_dir, fused), 4, "--parallelism.data_parallel", "fsdp",
+                                              "--float8.enable", "--float8.emulate", "--optimizer.fused", fused,
+                                              "--training.steps", "4")))
+            held = []  # what the fused kernel is handed for each parameter and its state: type, address, aliasing
+            for p in t.model.parameters():
+                local = local_tensor(p)
+                state = [local_tensor(v) for v in t.optimizer.state[p].values() if v.ndim]
+                with torch.no_grad():  # a write through the plain tensor must reach the parameter
+                    before = local.flatten()[:1].clone()
+                    local.flatten()[:1] += 1
+                    reaches = bool((local_tensor(p.detach()).flatten()[:1] != before).all())
+                    local.flatten()[:1] -= 1
+                held.append([type(local) is torch.Tensor and local.data_ptr() != 0, reaches,
+                             all(type(x) is torch.Tensor and x.data_ptr() != 0 for x in state)])
+            t.train()
+            if rank == 0:
+                results[fused] = {"held": held, "losses": step_losses(t), "optimizer": type(t.optimizer).__name__}
+
+
+def test_fsdp_float8_weights_reach_the_fused_update_as_plain_tensors(tmp_path):
+    """Under FSDP's float8 all-gather torchao wraps each float8 weight in a tensor subclass that owns no
+    storage (data_ptr() 0): the fused update kernel, which takes addresses, must get the tensor inside it,
+    and writing there updates the parameter. The fused optimizer (its eager path here) then trains as
+    torch's unfused AdamW does (to 1e-3: the two clip and update in different orders, and float8's
+    rounding of the weights carries a last-bit difference on into the next step's loss)."""
+    mp.spawn(_fsdp_float8_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = json.load(open(tmp_path / "results.json"))
+    assert r["true"]["optimizer"] == "MasterAdamW" and r["false"]["optimizer"] != "MasterAdamW"
+    assert all(all(h) for h in r["true"]["held"]), r["true"]["held"]
+    assert torch.allclose(torch.tensor(r["true"]["losses"]), torch.tensor(r["false"]["losses"]), rtol=1e-3)
+
+
 # ------------------------------------------------------------------------------------- CUDA graphs
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: with a GPU the run captures")
 def test_cuda_graphs_on_cpu_log_once_and_match_eager(reference, tmp_path, caplog):

@@ -34,6 +34,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
+# A kernel handed address 0 faults the whole device ("illegal memory access", reported at a later op)
+_NO_STORAGE = ("master_adamw: a tensor without storage of its own (data_ptr() 0: a wrapper subclass, such as "
+               "torchao's float8 weight under FSDP); pass the tensor it wraps (titanlite.parallel.grads.local_tensor)")
 
 
 @triton.jit
@@ -108,6 +111,8 @@ def master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: floa
                         bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
     """Same arguments as titanlite.optim.eager_master_adamw_update (tensors contiguous, any shape)."""
     n, own_master = p.numel(), lo is None
+    if n and 0 in (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()):
+        raise ValueError(_NO_STORAGE)
     _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](p, g, p if own_master else lo, m, v, p if copy is None else copy, n, lr,
                                       grad_scale, keep.view(torch.uint8), bias1, bias2_sqrt, wd, beta1, beta2, eps,
                                       BLOCK=BLOCK, OWN_MASTER=own_master, BF16_MOMENTS=m.dtype == torch.bfloat16,
@@ -149,6 +154,8 @@ def master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, b
     roles = [ps, gs, ps if own_master else los, ms, vs, ps if copies is None else copies]
     where = tuple(t.data_ptr() for ts in roles for t in ts)
     if cache.get("where") != where:
+        if 0 in where:
+            raise ValueError(_NO_STORAGE)
         cache.update(where=where, table=_offset_table(roles))
     if cache["table"] is None:
         return False

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from titanlite.ops.master_linear import MasterWeights, release_stale
 from titanlite.parallel.fsdp import note_gradient_sync
@@ -50,8 +51,23 @@ def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer, masters: M
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP's parameters, gradients and optimizer state), else `t` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The plain tensor that holds this rank's elements of `t`: a DTensor's local shard (FSDP's
+    parameters, gradients and optimizer state), and below it the one tensor a wrapper subclass holds.
+
+    Wrapper subclasses (torch's traceable-wrapper convention: `__tensor_flatten__` names their inner
+    tensors) own no storage, so their data_ptr() is 0: torchao's float8 weight under FSDP's float8
+    all-gather (WeightWithDynamicFloat8CastTensor) and whatever a zeros_like of it returns. A kernel
+    that takes addresses (titanlite.ops.master_adamw) must be handed the inner tensor, the one of the
+    wrapper's shape and dtype; a wrapper holding several such tensors is returned as it is."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        same = [x for x in (getattr(t, n) for n in names) if x.shape == t.shape and x.dtype == t.dtype]
+        if len(same) != 1:
+            break
+        t = same[0]
+    return t
 
 
 @runtime_checkable
