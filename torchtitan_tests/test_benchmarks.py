@@ -706,3 +706,38 @@ def test_every_measurement_record_is_in_the_index_and_every_index_link_exists():
     linked = set(re.findall(r"\]\((20[^)]+\.md)\)", index))
     assert records - linked == set(), "records missing from benchmarks/results/README.md"
     assert linked - records == set(), "index links to records that do not exist"
+
+
+@pytest.mark.parametrize("ngpus", [2, 4])
+def test_gpu_matrix_covers_every_pair_and_each_row_is_what_the_checks_say(ngpus):
+    """benchmarks/gpu_matrix.py: every pair of values of two factors is in some row; a row meant to train
+    passes titanlite's configuration check, and a pair no configuration can train is in a row the
+    check refuses, with the line it refuses it with."""
+    import gpu_matrix
+
+    rows = gpu_matrix.design(ngpus)
+    covered = set().union(*(gpu_matrix.pairs_of(r) for r in rows))
+    assert covered == gpu_matrix.every_pair()
+    assert all(set(r) >= set(gpu_matrix.FACTORS) for r in rows)
+    for r in rows:
+        why = gpu_matrix.refusal(r, ngpus)
+        assert (why is None) == (r["expect"] == "train") and why == r["why"], r
+    # pairs a trained row covers are not left to a refusal: a refused row holds some pair no trained row does
+    trained = set().union(*(gpu_matrix.pairs_of(r) for r in rows if r["expect"] == "train"))
+    assert all(gpu_matrix.pairs_of(r) - trained for r in rows if r["expect"] == "refused")
+    assert {r["mode"] for r in rows if r["expect"] == "train" and r["precision"] == "float8"} >= {"fsdp", "hsdp"}
+    labels = [gpu_matrix.label(r) for r in rows]
+    assert len(set(labels)) == len(labels)  # each row's run folder and log are its own
+
+
+def test_float8_sweep_pairs_every_float8_run_with_its_bf16_run():
+    """The float8 sweep: fsdp and hsdp in every compile x activation checkpointing x accumulation
+    combination, each with a bf16 run of its mode and accumulation to compare its losses with."""
+    import gpu_matrix
+
+    rows = gpu_matrix.sweep_rows()
+    f8 = {(r["mode"], r["compile"], r["ac"], r["accum"]) for r in rows if r["precision"] == "float8"}
+    assert f8 == {(m, c, a, n) for m in ("fsdp", "hsdp") for c in (True, False)
+                  for a in ("none", "selective", "full") for n in (1, 2)}
+    assert {(r["mode"], r["accum"]) for r in rows if r["precision"] == "bf16"} == {(m, n) for m, _, _, n in f8}
+    assert all(gpu_matrix.refusal(r, 4) is None for r in rows)

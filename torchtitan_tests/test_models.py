@@ -35,6 +35,14 @@ def test_qwen3_1_8b_param_count():
     assert args.flops_per_token(2048) == 6 * 1_519_230_976 + 12 * 24 * 16 * 128 * 2048
 
 
+def test_qwen3_8b_param_count():
+    """Qwen3-8B's shape: 36 layers of attention (32 query and 8 KV heads of 128 over dim 4096), QK-norm,
+    SwiGLU of 12288, two norms; untied embeddings of 151936."""
+    n, args = count("qwen3", "8B")
+    block = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    assert n == 2 * 151936 * 4096 + 36 * block + 4096 == 8_190_735_360 == args.num_params()
+
+
 def test_every_flavors_formula_count_matches_its_built_module():
     """ModelArgs.num_params (what estimation and MFU use) against the parameters of the module built on
     meta, for every registered flavor."""
