@@ -226,6 +226,17 @@ def run_row(row: dict, ngpus: int, gpus: Gpus, data: str, prediction: dict | Non
     return out
 
 
+_LOCK = threading.Lock()
+
+
+def note(out: Path, stem: str, result: dict) -> dict:
+    """Append a finished row to OUT/STEM.jsonl at once: a call cut short still returns what finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    with _LOCK, open(out / f"{stem}.jsonl", "a") as fh:
+        fh.write(json.dumps({k: v for k, v in result.items() if k != "losses"}, default=str) + "\n")
+    return result
+
+
 def table(results: list[dict], commit: str, wall: float, device: str) -> str:
     lines = [f"GPU matrix, {device}, commit {commit}, {wall:.0f} s, {sum(r['passed'] for r in results)}/{len(results)} "
              "rows passed", "",
@@ -262,8 +273,8 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
     # the widest rows first, so that one-GPU rows fill the gaps beside them
     order = sorted(rows, key=lambda r: (r["expect"] != "train", r["mode"] == "one", not r["compile"]))
     with futures.ThreadPoolExecutor(max(ngpus, 1) + 2) as pool:
-        jobs = [pool.submit(run_row, r, ngpus, gpus, data, pred["predictions"].get(key(r, ngpus, hw)) if hw else None)
-                for r in order]
+        jobs = [pool.submit(lambda r: note(out, "gpu_matrix", run_row(r, ngpus, gpus, data, pred["predictions"].get(
+            key(r, ngpus, hw)) if hw else None)), r) for r in order]
         results = [j.result() for j in jobs]
     wall = time.time() - t0
     text = table(results, commit, wall, device)
@@ -319,7 +330,7 @@ def sweep(ngpus: int, data: str, out: Path, slots: int) -> int:
     gpus.free = [i % ngpus for i in range(ngpus * slots)]  # each GPU listed `slots` times
     rows = sweep_rows()
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
-        results = list(pool.map(lambda r: sweep_one(r, ngpus, _Distinct(gpus), data), rows))
+        results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, _Distinct(gpus), data)), rows))
     ref = {(r["mode"], r["accum"]): r["tail"] for r in results if r["precision"] == "bf16"}
     lines = [f"float8 under fsdp/hsdp against bf16, LLaMA 134M, {SWEEP_STEPS} steps on real text, "
              f"{time.time() - t0:.0f} s", "", "| run | result | mean loss, last 10 steps | vs bf16 | s |",
