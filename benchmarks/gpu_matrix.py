@@ -164,13 +164,14 @@ def _predict_one(args: tuple) -> tuple[str, dict]:
                                        .get("tokens_per_sec_per_gpu")}
 
 
-def predict(ngpus: int, hardware: str, out: Path, workers: int) -> None:
-    rows = [r for r in design(ngpus) if r["expect"] == "train"]
-    t0, done = time.time(), {}
+def predict(ngpus: int, hardware: str, out: Path, workers: int, only: list[str]) -> None:
+    """Each trained row's estimate into `out`; with `only`, those rows' replace theirs in an existing `out`."""
+    rows = [r for r in design(ngpus) if r["expect"] == "train" and (not only or any(o in label(r) for o in only))]
+    t0, done = time.time(), json.loads(out.read_text())["predictions"] if only and out.exists() else {}
     with futures.ProcessPoolExecutor(workers) as pool:
         for k, p in pool.map(_predict_one, [(r, ngpus, hardware) for r in rows]):
             done[k] = p
-            print(f"[{time.time() - t0:5.0f}s] {len(done)}/{len(rows)} {p['label']}: {p['peak_gib']:.2f} GiB",
+            print(f"[{time.time() - t0:5.0f}s] {p['label']}: {p['peak_gib']:.2f} GiB",
                   file=sys.stderr, flush=True)
     out.write_text(json.dumps({"ngpus": ngpus, "hardware": hardware, "predictions": done}, indent=1) + "\n")
     print(f"{out}: {len(done)} predictions in {time.time() - t0:.0f}s")
@@ -324,11 +325,11 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str) -> dict:
             "losses": losses, "tail": sum(losses[-10:]) / 10 if len(losses) == SWEEP_STEPS else None}
 
 
-def sweep(ngpus: int, data: str, out: Path, slots: int) -> int:
+def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str]) -> int:
     """The float8 rows against their bf16 runs; each GPU runs up to `slots` rows at once (small model)."""
     gpus, t0 = Gpus(ngpus * slots), time.time()
     gpus.free = [i % ngpus for i in range(ngpus * slots)]  # each GPU listed `slots` times
-    rows = sweep_rows()
+    rows = [r for r in sweep_rows() if not only or any(o in "sweep_" + label(r) for o in only)]
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
         results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, _Distinct(gpus), data)), rows))
     ref = {(r["mode"], r["accum"]): r["tail"] for r in results if r["precision"] == "bf16"}
@@ -392,10 +393,10 @@ def main() -> int:
             print(f"{label(r):70s} {r['expect']}" + (f"  ({r['why']})" if r["why"] else ""))
         return 0
     if a.float8_sweep:
-        return sweep(a.ngpus, a.data, a.out, a.slots)
+        return sweep(a.ngpus, a.data, a.out, a.slots, [o for o in a.only.split(",") if o])
     if a.predict:
         predict(a.ngpus, a.hardware, a.out if a.out.suffix == ".json" else a.out / "gpu_matrix_predictions.json",
-                a.workers)
+                a.workers, [o for o in a.only.split(",") if o])
         return 0
     return run(a.ngpus, a.predictions, a.data, a.out, [o for o in a.only.split(",") if o])
 

@@ -206,8 +206,11 @@ class FakeRun:
             wrap = None if MODES[self.mode].shards_params else self._wrap_ddp  # fsdp, hsdp: the trainer's own
             self.model, self.masters = parallelize(model, settings, self.dims, wrap=wrap)
             model = self.model
+            # optimizer.fused=false runs MasterAdamW's eager update on the GPU too: op by op, with its fp32
+            # intermediates (several times the largest parameter at once), so it runs as it is here
+            fused = run_cfg.optimizer.fused == "true"
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode, self.masters,
-                                             update=functools.partial(_one_pass_update, self.tracker))
+                                             update=functools.partial(_one_pass_update, self.tracker) if fused else None)
             # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")

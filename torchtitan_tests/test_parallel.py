@@ -434,6 +434,39 @@ def test_fsdp_float8_weights_reach_the_fused_update_as_plain_tensors(tmp_path):
     assert torch.allclose(torch.tensor(r["true"]["losses"]), torch.tensor(r["false"]["losses"]), rtol=1e-3)
 
 
+def _ddp_release_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import titanlite.step as step_module
+
+    with gloo_rank(rank, world, port, out_dir) as results:
+        t = Trainer(load_config(base_args(out_dir, 4, "--parallelism.data_parallel", "ddp", "--training.steps", "3",
+                                          "--training.mixed_precision_param", "bfloat16")))
+        release, seen = step_module.release_grads, []
+
+        def recording(model, optimizer, masters=None):
+            release(model, optimizer, masters)
+            kept = [p for p in model.parameters() if p.grad is not None]
+            seen.append({"rebuilt": model._has_rebuilt_buckets, "kept": len(kept),
+                         "masters": sum(masters.has_copy(p) for p in model.parameters())})
+
+        step_module.release_grads = recording
+        try:
+            t.train()
+        finally:
+            step_module.release_grads = release
+        results[str(rank)] = seen
+
+
+def test_ddp_keeps_no_gradient_view_through_its_bucket_rebuild(tmp_path):
+    """Under ddp the bf16 copies' fp32 masters keep their gradients as views of DDP's buckets between
+    steps, except after the first: DDP rebuilds its buckets in the second step's forward and frees the
+    old ones first unless a gradient still views them, which would hold the gradients' size twice."""
+    mp.spawn(_ddp_release_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    seen = json.load(open(tmp_path / "results.json"))["0"]
+    assert [s["rebuilt"] for s in seen] == [False, True, True]
+    assert seen[0]["kept"] == 0
+    assert all(s["kept"] == s["masters"] > 0 for s in seen[1:])
+
+
 # ------------------------------------------------------------------------------------- CUDA graphs
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback: with a GPU the run captures")
 def test_cuda_graphs_on_cpu_log_once_and_match_eager(reference, tmp_path, caplog):

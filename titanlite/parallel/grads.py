@@ -39,8 +39,14 @@ def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer, masters: M
     stale (titanlite.ops.master_linear.release_stale), so the next backward's weight GEMMs write
     straight into DDP's buckets and the reducer copies none of them in. Those buckets live for the
     whole run, so keeping the views costs no memory; elsewhere (one device, fsdp) freed gradients
-    make room for the next forward's activations."""
-    if isinstance(model, DistributedDataParallel) and model.gradient_as_bucket_view:
+    make room for the next forward's activations.
+
+    Not before DDP has rebuilt its buckets (in the second step's first forward, in the order the
+    gradients became ready): the rebuild frees the old buckets before it allocates the new ones
+    unless gradients still view them, so a view kept through it would hold every old bucket beside
+    the new, the gradients' size once more at that moment (torch's `_has_rebuilt_buckets`)."""
+    if (isinstance(model, DistributedDataParallel) and model.gradient_as_bucket_view
+            and getattr(model, "_has_rebuilt_buckets", True)):
         for p in model.parameters():
             if masters is not None and masters.has_copy(p):
                 release_stale(p)
