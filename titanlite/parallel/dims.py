@@ -12,7 +12,7 @@ run builds its mesh through the same `parallel_dims`, over the fake process grou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -91,19 +91,22 @@ def parallel_dims(dp: DataParallelSettings, launch: Launch, device: torch.device
     mode = data_parallel_mode(dp, launch.world_size)
     shape = mesh_shape(dp, launch.world_size, launch.ranks_per_host)
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)) if shape else None
-    return ParallelDims(mode, launch.rank, launch.world_size, device, mesh, launch.ranks_per_host, device_memory,
-                        float8, dp_group(mesh))
+    dims = ParallelDims(mode, launch.rank, launch.world_size, device, mesh, launch.ranks_per_host, device_memory,
+                        float8)
+    return replace(dims, dp_group=dp_group(mesh, dims.dp_dims))
 
 
-def dp_group(mesh: DeviceMesh | None) -> ProcessGroup | None:
-    """The process group of the data-parallel dimensions together (every dimension today): the one
-    dimension's, or the dimensions flattened into one. Flattening is collective, so it happens here,
+def dp_group(mesh: DeviceMesh | None, dp_dims: tuple[str, ...]) -> ProcessGroup | None:
+    """The process group of the data-parallel dimensions `dp_dims` together (every dimension today): the
+    one dimension's, or the dimensions flattened into one. Flattening is collective, so it happens here,
     where every rank builds the mesh; where the flattened ranks are the whole job (today always) torch
     hands back the default group, so no communicator is added. (torch 2.11 and 2.13 flatten a mesh
     through DeviceMesh._flatten only: no public name for it.)"""
     if mesh is None:
         return None
-    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten("dp").get_group()
+    if len(dp_dims) == 1:
+        return mesh.get_group(dp_dims[0])
+    return mesh[dp_dims]._flatten("dp").get_group()
 
 
 def float8_supported(device: torch.device) -> bool:
