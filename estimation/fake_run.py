@@ -48,23 +48,23 @@ WARMUP_SEQ = 16  # the warm-up step only has to create optimizer state and DDP b
 
 def _allreduce_hook(state, bucket):
     """DDP's built-in hook waits on a future the fake process group leaves empty; this one does the
-    same bucket all-reduce in the configured dtype (so it is seen and timed, at its real size) and hands
-    the bucket back. state = (reduce dtype, tracker): a bf16 reduce sends a copy, so the bucket itself
-    is labelled a communication buffer here.
+    same bucket all-reduce in the configured dtype (so it is seen and timed, at its real size) over DDP's
+    process group and hands the bucket back. state = (reduce dtype, tracker, that group): a bf16 reduce
+    sends a copy, so the bucket itself is labelled a communication buffer here.
 
     With the default float32 reduce dtype the real run's hook (titanlite's mean_allreduce_hook) averages
     the bucket in place inside the collective, in the bucket's own dtype (fp32, or bf16 for float8's bf16
     gradients), so nothing more runs here. With bfloat16 it runs what titanlite's bf16 hook runs: a bf16
     copy (none where the bucket is bf16 already), the divide, and the copy back."""
-    dtype, tracker = state
+    dtype, tracker, group = state
     buf = bucket.buffer()
     tracker.label([buf], "comm_buffers")
     if dtype != torch.bfloat16:
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, group=group)
     else:
         reduced = buf.to(dtype)  # (the real bf16 hook divides before the sum; for fake tensors the order is moot)
-        dist.all_reduce(reduced)
-        reduced.div_(dist.get_world_size())
+        dist.all_reduce(reduced, group=group)
+        reduced.div_(dist.get_world_size(group))
         if reduced is not buf:
             buf.copy_(reduced)
     fut = torch.futures.Future()
@@ -210,7 +210,8 @@ class FakeRun:
             # intermediates (several times the largest parameter at once), so it runs as it is here
             fused = run_cfg.optimizer.fused == "true"
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode, self.masters,
-                                             update=functools.partial(_one_pass_update, self.tracker) if fused else None)
+                                             update=functools.partial(_one_pass_update, self.tracker) if fused else None,
+                                             group=self.dims.group("dp_replicate"))
             # MasterAdamW (bf16_params) creates its state (masters' low bits, moments) up front, not in a step
             self.tracker.label([t for st in self.optimizer.state.values() for t in st.values()], "optimizer")
             self.tracker.label(list(model.parameters()) + list(model.buffers()), "params")
@@ -228,7 +229,7 @@ class FakeRun:
         reduce_dtype = getattr(torch, settings.data_parallel.ddp_reduce_dtype)
         with ddp_on_fake_tensors():
             model = ddp_wrapper(model, settings, dims, masters)  # DDP takes one hook: ours, below
-        model.register_comm_hook((reduce_dtype, self.tracker), _allreduce_hook)
+        model.register_comm_hook((reduce_dtype, self.tracker, model.process_group), _allreduce_hook)
         keep_rebuilt_buckets(model)
         return model
 

@@ -9,7 +9,7 @@ values fake tensors do not have; each such stand-in lives here:
 
 | stand-in | for | why |
 |---|---|---|
-| `cuda_like_kernels` | F.rms_norm; titanlite.ops.loss.fp32_mm | CPU kernels keep other tensors / do other work than CUDA's |
+| `cuda_like_kernels` | F.rms_norm | the CPU decomposes it and keeps other tensors than CUDA's kernel |
 | `init_without_values` | torch.nn.init.trunc_normal_ | it redraws out-of-range values in a loop that reads them |
 | `ddp_on_fake_tensors` | DDP's parameter shape check; dist.Reducer's first bucket layout | both read tensor data |
 | `keep_rebuilt_buckets` | the DDP reducer's bucket rebuild | it agrees on an order by reading tensor data |
@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.nn.init as init
 import torch.nn.parallel.distributed as ddp
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-import titanlite.ops.loss as loss  # the module whose fp32_mm the chunked loss calls
 
 
 # --------------------------------------------------------------------------- kernels: CUDA's, not the CPU's
@@ -55,31 +51,12 @@ class _FusedRMSNorm(torch.autograd.Function):
         return gx.to(x.dtype), (grad.float() * xhat).flatten(0, -2).sum(0).to(weight.dtype), None
 
 
-@functools.cache
-def _fake_addmm_takes_out_dtype() -> bool:
-    """Whether fake tensors run addmm's fp32-output overload (torch 2.11 decomposes it as plain addmm,
-    taking the dtype for beta, and raises a TypeError; 2.13 has its own decomposition)."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)  # the failing probe is expected on such a torch: no logged traceback
-    try:
-        with FakeTensorMode():
-            a = torch.empty(2, 2, dtype=torch.bfloat16)
-            torch.addmm(torch.empty(2, 2), a, a, out_dtype=torch.float32)
-        return True
-    except TypeError:
-        return False
-    finally:
-        log.setLevel(level)
-
-
 @contextlib.contextmanager
 def cuda_like_kernels():
-    """CUDA's kernels where their CPU versions keep different tensors or do different work: the fused
-    RMSNorm (the CPU decomposes it and would save two extra fp32 copies of the input per norm; code
-    that torch.compile traces keeps the real op: Inductor decides what it saves), and the chunked
-    loss's fp32-output GEMM into the weight-gradient accumulator (titanlite.ops.master_linear.fp32_mm
-    takes CUDA's path by the tensors' device; on the CPU it is a product, then an add)."""
+    """CUDA's kernels where their CPU versions keep different tensors: the fused RMSNorm (the CPU
+    decomposes it and would save two extra fp32 copies of the input per norm; code that torch.compile
+    traces keeps the real op: Inductor decides what it saves). (The chunked loss's fp32-output GEMMs need
+    no stand-in: they are titanlite ops whose fake kernels give CUDA's tensors, titanlite.ops.loss.)"""
     orig = F.rms_norm
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
@@ -89,18 +66,11 @@ def cuda_like_kernels():
             weight = torch.ones(normalized_shape, device=x.device)
         return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
 
-    def fp32_mm(a, b, acc=None):  # CUDA's path (titanlite.ops.master_linear.fp32_mm): one fp32-output GEMM
-        if acc is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        if _fake_addmm_takes_out_dtype():
-            return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-
-    F.rms_norm, orig_mm, loss.fp32_mm = rms_norm, loss.fp32_mm, fp32_mm
+    F.rms_norm = rms_norm
     try:
         yield
     finally:
-        F.rms_norm, loss.fp32_mm = orig, orig_mm
+        F.rms_norm = orig
 
 
 # ---------------------------------------------------------------------------------- values fake tensors lack

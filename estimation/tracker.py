@@ -331,6 +331,9 @@ class StepTracker(TorchDispatchMode):
         elif func.namespace == "titanlite" and name == "weight_grad":  # ops.master_linear: grad_out^T x, one GEMM
             grad_out, x = args[0], args[1]
             w.matmul_flops += 2 * grad_out.numel() * x.shape[-1]
+        elif func.namespace == "titanlite" and name in ("fp32_mm", "fp32_addmm_"):  # ops.loss: a @ b, one GEMM
+            a, b = args[-2], args[-1]
+            w.matmul_flops += 2 * a.numel() * b.shape[-1]
         elif name == "_scaled_mm":
             w.float8_flops += 2 * args[0].numel() * args[1].shape[-1]
         elif "scaled_dot_product" in name and "attention" in name:

@@ -14,7 +14,8 @@ from titanlite.parallel.modes import MODES
 
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: str = "none",
-                    masters: MasterWeights | None = None, update: Callable | None = None) -> torch.optim.Optimizer:
+                    masters: MasterWeights | None = None, update: Callable | None = None,
+                    group=None) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and biases are not decayed).
 
     Master weights (parameters with a bf16 copy in `masters`, or stored in bf16: see
@@ -22,8 +23,9 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     optimizer.moments_dtype=bfloat16: titanlite's MasterAdamW (it rewrites the copies and keeps the
     masters of bf16 parameters; moments in either dtype). `update` replaces its per-parameter update
     (see MasterAdamW); torch's AdamW has no such seam and ignores it.
-    dp_mode "zero1": ZeroRedundancyOptimizer shards the AdamW state over the data-parallel ranks
-    (each rank steps its share of the parameters, then broadcasts them); the update is the same.
+    dp_mode "zero1": ZeroRedundancyOptimizer shards the AdamW state over `group`, the ranks DDP
+    averages the gradients over (the mesh's dp_replicate group: ParallelDims.group); each rank steps
+    its share of the parameters, then broadcasts them there. The update is the same.
     training.cuda_graphs on CUDA: capturable AdamW with the lr as a device tensor (the scheduler
     writes it in place) and the step counters on device, so a captured step can be replayed.
     """
@@ -44,14 +46,14 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
     if o.moments_dtype == "bfloat16" or sharded_fused or any(has_master(p, masters) for p in params):  # capturable
         kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
                   moments_dtype=getattr(torch, o.moments_dtype), masters=masters, update=update)
-        return zero_master_adamw(groups, **kw) if zero else MasterAdamW(groups, **kw)
+        return zero_master_adamw(groups, process_group=group, **kw) if zero else MasterAdamW(groups, **kw)
     kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     if graphs:
         kw.update(capturable=True)
     if zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # on first use: it imports much of torch.distributed
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kw)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group, **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
@@ -244,14 +246,14 @@ class MasterAdamW(torch.optim.Optimizer):
 
 
 def zero_master_adamw(groups, moments_dtype: torch.dtype, masters: MasterWeights, update: Callable | None = None,
-                      **kw) -> torch.optim.Optimizer:
-    """zero1 over MasterAdamW: a ZeroRedundancyOptimizer whose per-rank optimizer (of its share of
-    the parameters) is MasterAdamW; `kw` are MasterAdamW's hyperparameters. (The moments' dtype, the
-    masters and the update are bound to the class, not passed through ZeroRedundancyOptimizer, which
-    would copy them into every parameter group and so into checkpoints, where a ddp run's would lack
-    them.)"""
+                      process_group=None, **kw) -> torch.optim.Optimizer:
+    """zero1 over MasterAdamW: a ZeroRedundancyOptimizer over `process_group` (build_optimizer's `group`)
+    whose per-rank optimizer (of its share of the parameters) is MasterAdamW; `kw` are MasterAdamW's
+    hyperparameters. (The moments' dtype, the masters and the update are bound to the class, not passed
+    through ZeroRedundancyOptimizer, which would copy them into every parameter group and so into
+    checkpoints, where a ddp run's would lack them.)"""
     local = functools.partial(MasterAdamW, moments_dtype=moments_dtype, masters=masters, update=update)
-    return _zero_master_adamw_class()(groups, masters, optimizer_class=local, **kw)
+    return _zero_master_adamw_class()(groups, masters, optimizer_class=local, process_group=process_group, **kw)
 
 
 @functools.cache

@@ -106,6 +106,9 @@ class TrainStep:
     zero_grad: bool = True
     # The bf16 copies' fp32 masters, whose gradients ddp keeps in its buckets (grads.release_grads)
     masters: MasterWeights | None = None
+    # The data-parallel ranks (ParallelDims.dp_group; None for one rank): those whose collectives the step
+    # matches, so a captured step's failure is agreed over them (CudaGraphStep)
+    group: dist.ProcessGroup | None = None
 
     @property
     def skips_on_device(self) -> bool:
@@ -154,19 +157,19 @@ def build_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg, gr
         model, optimizer, make_forward_loss(model, cfg.training.loss, autocast, compile_loss=cfg.compile.enable),
         grad_accum, cfg.training.max_norm,
         clip_into=fused_clip_target(optimizer) if cfg.optimizer.fuse_clip else None,  # into the AdamW kernel
-        on_nan=cfg.training.on_nan, masters=masters)
+        on_nan=cfg.training.on_nan, masters=masters, group=dims.dp_group)
 
 
 class NonFiniteLossError(RuntimeError):
     """training.on_nan=stop: the loss of a step was NaN or infinite."""
 
 
-def global_step_losses(losses: list[torch.Tensor], world_size: int) -> torch.Tensor:
-    """Each step's loss averaged over the ranks (each saw its own micro-batches), on device: queued
-    work, no host sync."""
+def global_step_losses(losses: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Each step's loss averaged over the data-parallel ranks `group` (ParallelDims.dp_group; None: one
+    rank), each of which saw its own micro-batches; on device: queued work, no host sync."""
     stacked = torch.stack(losses).float()
-    if world_size > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
+    if group is not None:
+        dist.all_reduce(stacked, op=dist.ReduceOp.AVG, group=group)
     return stacked
 
 
@@ -182,8 +185,9 @@ def check_finite(step_losses: list[float], last_step: int, on_nan: str) -> None:
 
 @torch.no_grad()
 def validation_loss(model: nn.Module, batches, steps: int, forward_loss, device: torch.device,
-                    world_size: int) -> float:
-    """Mean loss over up to `steps` validation batches, averaged over the ranks."""
+                    group: dist.ProcessGroup | None) -> float:
+    """Mean loss over up to `steps` validation batches, averaged over the data-parallel ranks `group`
+    (ParallelDims.dp_group; None: one rank)."""
     model.eval()
     total, n = torch.zeros((), device=device), 0
     for _ in range(steps):
@@ -195,8 +199,8 @@ def validation_loss(model: nn.Module, batches, steps: int, forward_loss, device:
         n += 1
     model.train()
     stats = torch.stack([total, torch.tensor(float(n), device=device)])
-    if world_size > 1:
-        dist.all_reduce(stats)
+    if group is not None:
+        dist.all_reduce(stats, group=group)
     return (stats[0] / stats[1].clamp(min=1)).item()
 
 
@@ -292,10 +296,10 @@ class CudaGraphStep:
 
     def _agree(self, failed: bool) -> bool:
         """True if any rank failed: all ranks then fall back together (collectives stay matched)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.eager.group is None:
             return failed
         flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.eager.group)
         return bool(flag.item())
 
     def release(self) -> None:

@@ -186,7 +186,8 @@ class Trainer:
                                 cfg.training.loss_chunk_tokens, cfg.model.init)
         self.model, self.masters = parallelize(model, settings, self.dims)
         model = self.model
-        self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode, self.masters)
+        self.optimizer = build_optimizer(model, cfg, self.device, self.dims.mode, self.masters,
+                                         group=self.dims.group("dp_replicate"))
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         if self.dims.is_main and (line := schedule_warning(cfg.lr_scheduler, cfg.training.steps, cfg.optimizer.lr)):
             logger.warning(line)
@@ -261,7 +262,7 @@ class Trainer:
 
     def validate(self) -> float:
         return validation_loss(self.model, self.data.make_val(), self.cfg.validation.steps, self.step.forward_loss,
-                               self.device, self.dims.world_size)
+                               self.device, self.dims.dp_group)
 
     # ----------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -361,7 +362,7 @@ class Trainer:
         """The figures of the log step just taken (the steps since the previous one), queued for the
         host; the next log interval starts where this one ends."""
         st = self.state
-        values = torch.cat([global_step_losses(st.losses, self.dims.world_size), grad_norm.float().reshape(1)])
+        values = torch.cat([global_step_losses(st.losses, self.dims.dp_group), grad_norm.float().reshape(1)])
         steps = len(st.losses)
         st.losses.clear()
         if values.is_cuda:
@@ -383,7 +384,7 @@ class Trainer:
     def check_finite_losses(self) -> None:
         """With on_nan=stop, raise naming the first non-finite step since the last log step (the steps'
         global mean losses, one host sync)."""
-        step_losses = global_step_losses(self.state.losses, self.dims.world_size).tolist()
+        step_losses = global_step_losses(self.state.losses, self.dims.dp_group).tolist()
         check_finite(step_losses, self.state.step, self.cfg.training.on_nan)
 
     def close(self):

@@ -702,12 +702,11 @@ def test_stand_ins_are_restored():
     import torch.nn.init as init
     import torch.nn.parallel.distributed as ddp
 
-    import titanlite.ops.loss as loss
     from estimation.fake_run import FakeRun
     from estimation.standins import inductor_without_codegen
 
     def torch_functions():
-        return (F.rms_norm, loss.fp32_mm, init.trunc_normal_, dist.Reducer, ddp._verify_param_shape_across_processes,
+        return (F.rms_norm, init.trunc_normal_, dist.Reducer, ddp._verify_param_shape_across_processes,
                 cfx.compile_fx)
 
     before = torch_functions()
@@ -868,3 +867,36 @@ def test_the_estimate_refuses_what_the_trainer_refuses_at_its_world_size():
         "error: training.cuda_graphs with parallelism.data_parallel=fsdp: " + MODES["fsdp"].refuses["training.cuda_graphs"]]
     r = subprocess.run([*base, "--estimate.ngpu", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_chunked_loss_gemms_on_fake_cpu_tensors_are_cudas():
+    """The chunked loss's weight-gradient GEMMs are titanlite ops whose fake kernels give CUDA's tensors:
+    on fake CPU tensors (the dry run's) one op each, the product an fp32 tensor, the add into the
+    accumulator in place, and no widened fp32 copy of a bf16 operand (what the CPU's own path makes)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from titanlite.ops.loss import add_fp32_product_, fp32_product
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
+        with Ops() as ops:
+            acc = fp32_product(a, b)
+            add_fp32_product_(acc, a, b)
+    assert ops.seen == ["titanlite.fp32_mm.default", "titanlite.fp32_addmm_.default"]
+    assert acc.dtype == torch.float32 and acc.shape == (64, 16)
+    # the real ops on the CPU: the widened GEMM, the same values as a float64 reference to fp32 rounding
+    a, b = torch.randn(64, 32).bfloat16(), torch.randn(32, 16).bfloat16()
+    acc = fp32_product(a, b)
+    add_fp32_product_(acc, a, b)
+    torch.testing.assert_close(acc, 2 * (a.double() @ b.double()).float(), rtol=1e-6, atol=1e-5)

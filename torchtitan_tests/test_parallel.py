@@ -766,3 +766,97 @@ def test_hsdp_replicas_all_reduce_what_the_bf16_transport_reduced(tmp_path):
     assert results["transport"]["mesh"] == results["nccl"]["mesh"] == [2, 2]
     assert results["transport"]["losses"] == results["nccl"]["losses"]
     assert results["nccl"]["all_to_all"] == 0 and results["transport"]["all_to_all"] == 6 * STEPS
+
+
+# The collectives titanlite itself calls (torch's own, inside DDP, FSDP, DCP or ZeroRedundancyOptimizer,
+# take the groups those were built over and are not listed)
+SPIED = ("all_reduce", "all_gather_object", "barrier", "broadcast", "all_gather_into_tensor", "all_to_all_single")
+
+
+def _mesh_groups_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titanlite.ops.master_linear import MasterWeights
+    from titanlite.optim import build_optimizer
+    from titanlite.parallel.ddp import apply_ddp
+    from titanlite.parallel.dims import ParallelDims
+    from titanlite.config import parallel_settings
+
+    with gloo_rank(rank, world, port, out_dir) as results:
+        calls = []  # (caller "file:function" under titanlite/, the group object)
+        originals = {name: getattr(dist, name) for name in SPIED}
+
+        def spy(name):
+            def call(*args, group=None, **kwargs):
+                caller = sys._getframe(1)
+                path = os.path.relpath(caller.f_code.co_filename, ROOT)
+                if path.startswith("titanlite"):
+                    calls.append((f"{path}:{caller.f_code.co_name}", group))
+                return originals[name](*args, group=group, **kwargs)
+            return call
+
+        for name in SPIED:
+            setattr(dist, name, spy(name))
+        try:
+            # hsdp, 2 replicas x 2 shards: checkpoints (manager, preemption), validation, log steps' breakdowns
+            t = Trainer(load_config(base_args(os.path.join(out_dir, "hsdp"), 2, "--parallelism.data_parallel", "hsdp",
+                                              "--parallelism.replicate_degree", "2", "--training.steps", "4",
+                                              "--checkpoint.enable", "--checkpoint.interval", "2",
+                                              "--validation.enable", "--validation.freq", "2", "--validation.steps", "1")))
+            t.train()
+            dims = t.dims
+            names = {id(dims.dp_group): "dp", id(t.checkpointer.group): "job, host-side"}
+            seen = {}
+            for where, group in calls:
+                seen.setdefault(where, set()).add(
+                    "default" if group is None else
+                    f"{names.get(id(group), 'other')} {dist.get_process_group_ranks(group)}")
+            results[f"hsdp{rank}"] = {k: sorted(v) for k, v in seen.items()}
+            results[f"mesh{rank}"] = {d: dist.get_process_group_ranks(dims.group(d)) for d in dims.mesh.mesh_dim_names}
+
+            # zero1's optimizer over the replicate dimension of the same 2 x 2 mesh: DDP averages over that
+            # group, and the AdamW state is sharded over the same two ranks, not over all four
+            settings = parallel_settings(load_config(base_args(os.path.join(out_dir, "zero1"), 2,
+                                                               "--parallelism.data_parallel", "zero1")))
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+            zdims = ParallelDims("zero1", rank, world, torch.device("cpu"), mesh)
+            torch.manual_seed(0)
+            model = apply_ddp(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), settings, zdims,
+                              MasterWeights())
+            opt = build_optimizer(model, t.cfg, torch.device("cpu"), "zero1", group=zdims.group("dp_replicate"))
+            torch.manual_seed(1 + rank)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            local = sum(p.numel() for g in opt.optim.param_groups for p in g["params"])
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            replicas = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(replicas, flat)
+            results[f"zero1_{rank}"] = {"ddp": dist.get_process_group_ranks(model.process_group),
+                                        "optimizer": dist.get_process_group_ranks(opt.process_group),
+                                        "held": local / sum(p.numel() for p in model.parameters()),
+                                        "same_as": [r for r in range(world) if torch.equal(replicas[r], flat)]}
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+def test_every_collective_takes_its_group_from_the_mesh(tmp_path):
+    """hsdp on 4 CPU ranks, 2 replicas x 2 shards: the step's loss and validation averages run over the
+    data-parallel ranks (the mesh's dimensions together), the checkpoint's agreements, the preemption flag
+    and the log step's breakdown over the job's ranks on the host; no titanlite collective falls back to
+    the default group; the copy-engine decision is agreed over the mesh's ranks. zero1 on the same mesh shards its AdamW state over the replicate dimension that
+    its DDP averages over."""
+    mp.spawn(_mesh_groups_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["mesh0"] == {"dp_replicate": [0, 2], "dp_shard": [0, 1]}
+    every = "[0, 1, 2, 3]"
+    assert results["hsdp0"] == {
+        "titanlite/step.py:global_step_losses": [f"dp {every}"],
+        "titanlite/step.py:validation_loss": [f"dp {every}"],
+        # fsdp_copy_engine_all_gather=auto: every rank of the mesh agrees before building the gather groups
+        "titanlite/parallel/copy_engine.py:gathers_on_copy_engines": [f"dp {every}"],
+        "titanlite/checkpoint/manager.py:_barrier": [f"job, host-side {every}"],
+        "titanlite/checkpoint/preemption.py:requested": [f"job, host-side {every}"],
+        "titanlite/metrics/breakdown.py:gather_breakdown": [f"job, host-side {every}"],
+    }
+    assert results["zero1_0"] == {"ddp": [0, 2], "optimizer": [0, 2], "held": 0.5, "same_as": [0, 2]}

@@ -147,13 +147,14 @@ class Checkpointer:
         self.info = {**(info or {}), "schedule": lr_schedule(cfg, global_batch)}
         self.root = checkpoint_root(cfg)
         distributed = dims.world_size > 1 and dist.is_initialized()
-        # DCP's planning collectives run on their own gloo groups: host-side, never a GPU sync, and
-        # a background async save never shares a group with the training thread.
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        # DCP's planning collectives run on their own gloo groups over the job's ranks (the mesh's, every
+        # rank holding a share of the state): host-side, never a GPU sync, and a background async save
+        # never shares a group with the training thread.
+        self.group = dist.new_group(ranks=dims.ranks, backend="gloo") if distributed else None
         if self.group is None:
             quiet_single_process_dcp()
         self.async_mode = self.ck.async_mode if self.ck.enable else "disabled"
-        self.async_group = (dist.new_group(backend="gloo")
+        self.async_group = (dist.new_group(ranks=dims.ranks, backend="gloo")
                             if distributed and self.async_mode != "disabled" else None)
         self.stager = self._build_stager()
         self.pending = None  # (step, future) of the async save in flight

@@ -39,12 +39,12 @@ def summarize(ranks: list[dict], method: str) -> dict:
 
 
 def gather_breakdown(local: dict, method: str, group=None) -> dict | None:
-    """All ranks call this on log steps (one all_gather_object over `group`, by default the world);
-    rank 0 gets the summary, others None."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        ranks: list = [None] * dist.get_world_size()
+    """All ranks of `group` call this on log steps (one all_gather_object over it: the job's ranks, on
+    the host; None for one rank); its first rank gets the summary, the others None."""
+    if group is not None:
+        ranks: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, local, group=group)
-        if dist.get_rank() != 0:
+        if dist.get_rank(group) != 0:
             return None
     else:
         ranks = [local]

@@ -16,6 +16,33 @@ import torch.nn.functional as F
 from titanlite.ops.master_linear import fp32_mm
 
 
+# The chunked loss's weight-gradient GEMMs (fp32_mm: bf16 operands, an fp32 result, the later chunks added
+# into the first's) as opaque ops with fake kernels, as master_linear's weight_grad is. fp32_mm picks
+# CUDA's one GEMM or the CPU's widened operands by the tensors' device; the fake kernels give what CUDA's
+# GEMM gives, one fp32 result written or added in place, so a dry run on fake CPU tensors
+# (titanlite's estimation) holds the GPU's tensors.
+@torch.library.custom_op("titanlite::fp32_mm", mutates_args=())
+def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32 (fp32_mm)."""
+    return fp32_mm(a, b)
+
+
+@fp32_product.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("titanlite::fp32_addmm_", mutates_args=("acc",))
+def add_fp32_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, in fp32 (fp32_mm into `acc`)."""
+    fp32_mm(a, b, acc)
+
+
+@add_fp32_product_.register_fake
+def _(acc, a, b):
+    return None
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy with an fp32 softmax."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -67,7 +94,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
             total += loss_sum
             grad_h[start : start + chunk_tokens] = g @ w
             # the first chunk's GEMM writes the fp32 gradient, each later one adds into it, unrounded
-            grad_w = fp32_mm(g.t(), hc, grad_w)
+            if grad_w is None:
+                grad_w = fp32_product(g.t(), hc)
+            else:
+                add_fp32_product_(grad_w, g.t(), hc)
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n
 

@@ -25,15 +25,16 @@ neither trace nor reorder. A consequence: `torch.autograd.grad` on these weights
 A gradient released as stale (`release_stale`) keeps its storage: the next weight_grad writes the
 product over it (beta = 0, the old values never read) instead of adding. ddp releases its masters'
 gradients that way (titanlite.parallel.grads.release_grads), so each one stays a view of DDP's
-reduce bucket and is written there by its GEMM: the reducer neither copies nor divides it. (The
-stale mark is this module's own: `release_stale` sets it, `weight_grad` reads it. It rides on the
-tensor because the op that reads it, opaque to torch.compile, is handed tensors only.)
+reduce bucket and is written there by its GEMM: the reducer neither copies nor divides it. The
+stale marks are this module's own: `release_stale` is the one call that records one, and
+`weight_grad`'s body, which is handed tensors only (it is opaque to torch.compile), reads and clears it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def fp32_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
@@ -66,12 +67,17 @@ def _(grad_out, x, weight):
     return grad_out.new_empty(weight.shape, dtype=torch.float32)
 
 
+# The masters whose `.grad` was released as stale (release_stale), until their next weight_grad. Keyed by
+# identity, weakly (torch's WeakIdKeyDictionary: a tensor's == compares values), so a freed model leaves none.
+_STALE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def accumulate_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight.grad + grad_out^T x in fp32 (the product alone when weight.grad is None or stale), in the
     tensor that was weight.grad; weight.grad is left None. (A dry run calls this on fake tensors where
     the op's fake kernel could not: it touches `.grad`.)"""
     acc, weight.grad = weight.grad, None
-    stale, weight.grad_stale = acc is not None and getattr(weight, "grad_stale", False), False
+    stale = _STALE.pop(weight, False) and acc is not None
     g = fp32_mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), x.reshape(-1, x.shape[-1]), acc, overwrite=stale)
     if stale:
         # A new tensor over the same storage: autograd takes a tensor nobody else holds as the gradient
@@ -82,7 +88,10 @@ def accumulate_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
 
 def release_stale(weight: torch.Tensor) -> None:
     """Release a master's gradient without freeing it: its next weight_grad writes over it."""
-    weight.grad_stale = weight.grad is not None
+    if weight.grad is not None:
+        _STALE[weight] = True
+    else:
+        _STALE.pop(weight, None)
 
 
 class _MasterMatmul(torch.autograd.Function):
@@ -124,7 +133,12 @@ def _refresh_after_load(module: MasterLinear, incompatible_keys) -> None:
 
 def use_bf16_copy(linear: nn.Linear) -> MasterLinear:
     """Make `linear` a MasterLinear in place: same module, same fp32 `weight` Parameter (so wrappers,
-    optimizer and state-dict keys are untouched), plus its bf16 copy."""
+    optimizer and state-dict keys are untouched), plus its bf16 copy.
+
+    The change is torch's in-place class swap (`module.__class__ = ...`), the convention its own
+    fully_shard, replicate and nn.utils.parametrize use to give a module new behaviour while every
+    reference to it stays valid: the parent's registration, hooks, and compiled blocks that hold it.
+    MasterLinear adds no state but the buffer registered here, so the swap is the whole conversion."""
     linear.__class__ = MasterLinear
     linear.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16), persistent=False)
     linear.register_load_state_dict_post_hook(_refresh_after_load)

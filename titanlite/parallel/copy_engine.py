@@ -100,9 +100,11 @@ def gathers_on_copy_engines(model: nn.Module, settings: ParallelSettings, dims: 
     hw = lookup(gpu)
     use, why = copy_engine_decision(setting, copy_engine_refusal(dims), settings.float8.enable, dims.size("dp_shard"),
                                     dims.ranks_per_host, gpu, hw.link_gbps if hw else None)
-    if setting == "auto" and dist.is_initialized():
-        agreed = torch.tensor([int(use)], device=dims.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if setting == "auto" and dims.dp_group is not None:
+        # over every rank of the mesh (dp_group spans all its dimensions): each builds every gather group
+        group = dims.dp_group
+        agreed = torch.tensor([int(use)], device=dims.device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         if use and not agreed.item():
             use, why = False, "off: another rank cannot take the copy engines"
     if setting == "auto" and dims.is_main:

@@ -28,8 +28,9 @@ def apply_ddp(model: nn.Module, settings: ParallelSettings, dims: ParallelDims, 
     if settings.data_parallel.ddp_reduce_dtype == "bfloat16":
         ddp.register_comm_hook(ddp.process_group, bf16_allreduce_hook)
     elif not (settings.cuda_graphs and dims.device.type == "cuda"):
-        # A captured step keeps DDP's own division: with this hook the replayed step took 159-160 ms on
-        # 2 x H100, without it 150-151 (docs/parallelism.md, "ddp's gradients stay in its buckets")
+        # A captured step keeps DDP's own division: the replay ran slower with this hook than without it
+        # (benchmarks/results/2026-11-26_2xh100_ddp-buckets-against-peers.md; docs/parallelism.md, "ddp's
+        # gradients stay in its buckets")
         ddp.register_comm_hook(ddp.process_group, mean_allreduce_hook)
     return ddp
 
@@ -55,7 +56,7 @@ def ddp_wrapper(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         # micro-steps would accumulate the masters' gradients outside the buckets: a second fp32 copy of the
         # blocks' gradients beside them until the last backward, which set the run's peak under accumulation.
         p.grad = torch.zeros_like(p)
-    ddp = DistributedDataParallel(model, device_ids=ids, process_group=dims.mesh.get_group("dp_replicate"),
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=dims.group("dp_replicate"),
                                   bucket_cap_mb=dp.ddp_bucket_cap_mb, gradient_as_bucket_view=dp.ddp_bucket_view,
                                   **{no_sync: False})
     for p in in_buckets:

@@ -2,18 +2,21 @@
 
 The mesh is built once, right after the process group starts (`init_distributed`, through
 `parallel_dims`), with named dimensions (titanlite.parallel.modes.MESH_DIMS): "dp_replicate" and
-"dp_shard" today, sized by the mode (titanlite.parallel.policy.mesh_shape). Every wrapper takes its
-process groups from it; estimation's fake run builds its mesh through the same `parallel_dims`, over
-the fake process group it started.
+"dp_shard" today, sized by the mode (titanlite.parallel.policy.mesh_shape). Every collective takes
+its process group from it: the wrappers and zero1's optimizer along one dimension (`group`), the
+step's loss and validation averages over the data-parallel dimensions together (`dp_group`), the
+checkpoint's and the run log's host-side gathers over the job's ranks (`ranks`). Estimation's fake
+run builds its mesh through the same `parallel_dims`, over the fake process group it started.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.debug import share_one_cpu_core
@@ -33,12 +36,26 @@ class ParallelDims:
     ranks_per_host: int | None = None  # the launcher's ranks per host (None: it does not say)
     device_memory: int | None = None   # the GPU's bytes (None: not a GPU), for choices that weigh memory
     float8: bool = False            # the device runs float8 matmuls (compute capability 8.9+)
+    # the data-parallel dimensions' ranks together (see dp_group below); None for one rank
+    dp_group: ProcessGroup | None = None
 
     def size(self, dim: str) -> int:
         """Ranks along mesh dimension `dim` (1 where the mesh has no such dimension)."""
         if self.mesh is None or dim not in self.mesh.mesh_dim_names:
             return 1
         return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
+
+    def group(self, dim: str) -> ProcessGroup | None:
+        """The process group of this rank's ranks along mesh dimension `dim` (None where the mesh has no
+        such dimension: one rank along it)."""
+        if self.mesh is None or dim not in self.mesh.mesh_dim_names:
+            return None
+        return self.mesh.get_group(dim)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank of the job, as the mesh lays them out (row-major)."""
+        return self.mesh.mesh.flatten().tolist() if self.mesh is not None else [self.rank]
 
     @property
     def dp_dims(self) -> tuple[str, ...]:
@@ -74,8 +91,22 @@ def parallel_dims(dp: DataParallelSettings, launch: Launch, device: torch.device
     mode = data_parallel_mode(dp, launch.world_size)
     shape = mesh_shape(dp, launch.world_size, launch.ranks_per_host)
     mesh = init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)) if shape else None
-    return ParallelDims(mode, launch.rank, launch.world_size, device, mesh, launch.ranks_per_host, device_memory,
+    dims = ParallelDims(mode, launch.rank, launch.world_size, device, mesh, launch.ranks_per_host, device_memory,
                         float8)
+    return replace(dims, dp_group=dp_group(mesh, dims.dp_dims))
+
+
+def dp_group(mesh: DeviceMesh | None, dp_dims: tuple[str, ...]) -> ProcessGroup | None:
+    """The process group of the data-parallel dimensions `dp_dims` together (every dimension today): the
+    one dimension's, or the dimensions flattened into one. Flattening is collective, so it happens here,
+    where every rank builds the mesh; where the flattened ranks are the whole job (today always) torch
+    hands back the default group, so no communicator is added. (torch 2.11 and 2.13 flatten a mesh
+    through DeviceMesh._flatten only: no public name for it.)"""
+    if mesh is None:
+        return None
+    if len(dp_dims) == 1:
+        return mesh.get_group(dp_dims[0])
+    return mesh[dp_dims]._flatten("dp").get_group()
 
 
 def float8_supported(device: torch.device) -> bool:

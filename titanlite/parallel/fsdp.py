@@ -37,20 +37,18 @@ KEEP_GATHERED_SHARE = 1 / 16
 def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None) -> bool:
     """Do the blocks free their gathered parameters after forward (parallelism.fsdp_reshard_after_forward)?
     Freeing saves `gathered_bytes` (less this rank's shard) until backward, which then gathers every block
-    a second time: on 2 x H200 keeping them made LLaMA 1.36B 1.7-3.5% faster for 2.1 GiB more
-    (docs/performance.md). `auto` keeps them where they are small beside the GPU's memory
-    (`device_memory`, None off CUDA: freed, as `default`)."""
+    a second time; keeping them trades that memory for one gather a block less (measured in
+    benchmarks/results/2026-11-26_2xh200_multi-gpu-levers.md). `auto` keeps them where they are small
+    beside the GPU's memory (`device_memory`, None off CUDA: freed, as `default`)."""
     if setting == "auto":
         return device_memory is None or gathered_bytes > KEEP_GATHERED_SHARE * device_memory
     return setting != "never"
 
 
-# fsdp_blocks_per_group=0 (auto): FSDP's hooks cost the host about the same time for every group whatever its
-# size (gather, copy-out, reduce-scatter, autograd hooks: about 3 ms a step per group on an H200 host), so a
-# group of blocks holds at least this many parameters, enough GPU work to keep the host ahead of it. On 2 x
-# H200, LLaMA 1.36B (64M a block) ran as fast at 2 and 3 blocks a group as at one, its host needing 61-76 ms of
-# a 137 ms step instead of 93-106; with every CPU of the host also busy, one block a group ran at 1.60x its
-# quiet step time, two at 1.19x, three at 1.01x (docs/performance.md).
+# fsdp_blocks_per_group=0 (auto): FSDP's hooks (gather, copy-out, reduce-scatter, autograd hooks) cost the
+# host about the same time for every group whatever its size, so a group of blocks holds at least this many
+# parameters: enough GPU work to keep the host ahead of it, where fewer groups change nothing on the GPU
+# (benchmarks/results/2026-11-27_h200_fsdp-block-groups-host-time.md; its effect in docs/performance.md).
 GROUP_MIN_PARAMS = 150_000_000
 # ... while keeping at least this many groups of blocks, so that each gather and reduce-scatter has others'
 # compute to hide behind (small models would otherwise become one group)
@@ -70,8 +68,7 @@ def block_groups(n_blocks: int, per: int) -> list[tuple[int, int]]:
     """The FSDP groups of `n_blocks` blocks at `per` a group, as (start, end) ranges: the first block alone,
     then `per` at a time (the last group may be shorter). The first block's gather opens the step's forward
     and its reduce-scatter closes the backward, neither with compute to hide behind, so that group stays one
-    block (on 4 x H200, LLaMA 1.36B: 60,821-61,083 tok/s/GPU against 60,673-60,716 with the first block
-    in a group of three)."""
+    block (benchmarks/results/2026-11-27_h200_fsdp-block-groups-host-time.md, call 4)."""
     if per <= 1:
         return [(i, i + 1) for i in range(n_blocks)]
     starts = [0] + list(range(1, n_blocks, per))
@@ -142,7 +139,7 @@ class OwnerSumReduceScatter(ReduceScatter or object):
     def __init__(self, world: int, reduce_dtype: torch.dtype):
         self.world, self.reduce_dtype = world, reduce_dtype
         self._input_numel: int | None = None  # the input just handed out, whose output comes next
-        # micro-steps without a reduce went before this one (note_gradient_sync): FSDP then holds the
+        # micro-steps without a reduce went before this one (set_gradient_sync): FSDP then holds the
         # gradients as float32 sums, which bf16 would round, so this reduce keeps NCCL's float32 one
         self.accumulated = False
 
@@ -173,13 +170,17 @@ class OwnerSumReduceScatter(ReduceScatter or object):
         return None
 
 
-# the root module -> its FSDP groups' OwnerSumReduceScatter (set_gradient_transport), for note_gradient_sync
+# the root module -> its FSDP groups' OwnerSumReduceScatter: written by set_gradient_transport, read by
+# set_gradient_sync, both here (FSDP's custom reduce-scatter is handed to each module and not readable back)
 _TRANSPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def note_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """A micro-step without a reduce (`enabled` False: gradient accumulation) leaves float32 sums for the
-    step's reduce, which its groups then carry as NCCL's float32 reduce-scatter (OwnerSumReduceScatter)."""
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """The sharded `model`'s gradient sync for the next micro-step (titanlite.parallel.grads.grad_sync):
+    FSDP's own switch, on every FSDP module below the root, and its gradient transport's. A micro-step
+    without a reduce (`enabled` False: gradient accumulation) leaves float32 sums for the step's reduce,
+    which its groups then carry as NCCL's float32 reduce-scatter (OwnerSumReduceScatter)."""
+    model.set_requires_gradient_sync(enabled)
     if not enabled:
         for comm in _TRANSPORTS.get(model, ()):
             comm.accumulated = True

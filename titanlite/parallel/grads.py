@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from titanlite.ops.master_linear import MasterWeights, release_stale
-from titanlite.parallel.fsdp import note_gradient_sync
+from titanlite.parallel.fsdp import set_gradient_sync
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -28,8 +28,7 @@ def grad_sync(model: nn.Module, enabled: bool):
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if enabled else model.no_sync()
     if is_fsdp(model):
-        model.set_requires_gradient_sync(enabled)  # applies to every FSDP module below the root
-        note_gradient_sync(model, enabled)  # accumulated float32 sums do not cross in bf16
+        set_gradient_sync(model, enabled)  # FSDP's switch and its gradient transport's, kept by fsdp.py
     return contextlib.nullcontext()
 
 
