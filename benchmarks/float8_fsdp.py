@@ -48,6 +48,7 @@ def main() -> int:
     p.add_argument("--ac", choices=list(PEER_AC), default="none")
     p.add_argument("--peer-bf16", action="store_true", help="also torchtitan 0.2.2 in bf16 at each batch")
     p.add_argument("--unfused", action="store_true", help="also titanlite with --optimizer.fused false (first batch)")
+    p.add_argument("--float8-only", action="store_true", help="titanlite's float8 rows alone (bf16 measured elsewhere)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=15)
     p.add_argument("--timeout", type=int, default=480)
@@ -62,7 +63,7 @@ def main() -> int:
     rows: list[tuple[str, int, launch.Result]] = []
     for b in batches:
         batch = ["--training.local_batch_size", str(b)]
-        for precision, extra in (("bf16", []), ("float8", ["--float8.enable"])):
+        for precision, extra in (("bf16", []), ("float8", ["--float8.enable"]))[1 if a.float8_only else 0:]:
             runs = [("", [])] + ([(" unfused", ["--optimizer.fused", "false"])] if a.unfused and b == batches[0] else [])
             for tag, opt in runs:
                 name = f"titanlite_{a.model}_{precision}{tag.strip() and '_unfused'}_b{b}"
