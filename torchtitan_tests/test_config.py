@@ -305,6 +305,7 @@ def test_machine_presets_check_at_their_size_and_say_where_their_figures_come_fr
 def test_machine_presets_cover_the_machines_users_run():
     names = {p.stem for p in MACHINE_PRESETS}
     assert {f"{m}_{n}" for m in ("llama_1.36b", "qwen3_1.8b") for n in ("1xh100", "8xh100", "8xh200", "8xb200")} <= names
+    assert {f"{m}_8b_{n}" for m in ("llama", "qwen3") for n in ("8xh100", "8xh200", "8xb200")} <= names
 
 
 ALL_PRESETS = sorted((ROOT / "train_configs").glob("*.toml"))
