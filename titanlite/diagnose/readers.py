@@ -26,14 +26,21 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from titanlite.diagnose.reconstruct import registry_args
+from titanlite.hardware import by_key
 from titanlite.metrics.run_log import LoggedRun, RunLogError, from_dict
+from titanlite.models import MODEL_REGISTRY, get_model_args
+from titanlite.models.args import ModelArgs
+
+# unreadable or incompatible input: the message is one line naming the file(s) and the cause
+DiagnoseError = RunLogError
 
 
 @dataclass
@@ -313,6 +320,43 @@ FORMATS: list[Format] = [  # most specific first
 BY_NAME = {f.name: f for f in FORMATS}
 
 
+def registry_args(model: dict, config: dict) -> ModelArgs | None:
+    """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
+    when it names none that is registered."""
+    name, flavor = model.get("name"), model.get("flavor")
+    if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
+        vocab = config.get("model.vocab_size")
+        return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
+    return None
+
+
+def labels(logs: list[LoggedRun]) -> list[str]:
+    """'2 GPUs', '8 GPUs', and '#1', '#2' for runs of the same size; ranks for CPU runs."""
+    unit = "GPU" if all(log.hardware.get("device", "cuda") == "cuda" for log in logs) else "rank"
+    worlds = [log.config["world_size"] for log in logs]
+    out, seen = [], {}
+    for w in worlds:
+        seen[w] = seen.get(w, 0) + 1
+        out.append(f"{w} {unit}{'s' if w > 1 else ''}" + (f" #{seen[w]}" if worlds.count(w) > 1 else ""))
+    return out
+
+
+def refuse_duplicates(paths: list[str]) -> None:
+    """The same log twice is no comparison: refuse the same file, and a byte-identical copy."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        try:
+            key = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+        except OSError:
+            continue  # the reader names the problem
+        if key in seen:
+            same = os.path.realpath(seen[key]) == os.path.realpath(p)
+            raise RunLogError(f"{seen[key]} and {p} are {'the same file' if same else 'identical logs'}: "
+                                "a scaling diagnosis compares different runs (give one log alone for a "
+                                "single-run report)")
+        seen[key] = p
+
+
 def read(path: str | Path, settings: Settings | None = None) -> LoggedRun:
     """Detect the format, parse, apply the command-line settings, check that the run's shape is known."""
     path = Path(path)
@@ -348,8 +392,6 @@ def apply_settings(run: LoggedRun, s: Settings) -> None:
             run.overrides[key] = (run.config.get(key), value)
             run.config[key] = value
     if s.hardware:
-        from titanlite.hardware import by_key
-
         hw = by_key(s.hardware)
         name = hw.device_name if hw else s.hardware
         run.overrides["hardware"] = (run.hardware.get("name"), name)

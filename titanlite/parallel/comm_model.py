@@ -160,12 +160,13 @@ class StepCollective:
 
 
 def data_parallel_step(mode: str, params: int, grad_bytes: int, gather_bytes: int, edge_params: int,
-                       regather: bool = True) -> list[StepCollective]:
+                       regathered: int | None = None) -> list[StepCollective]:
     """The collectives one optimizer step of `mode` issues, for `params` parameters whose gradients cross
     in `grad_bytes` per element and whose gathered copies in `gather_bytes`. `edge_params`: the
     parameters of the collective at each edge (ddp: the bucket reduced last, which holds the input
-    embedding, ready last; fsdp: the root's, gathered first and reduced last). `regather`: fsdp gathers
-    the parameters again for backward (resharded after forward)."""
+    embedding, ready last; fsdp: the root's, gathered first and reduced last). `regathered`: the
+    parameters fsdp gathers again for backward, those of the groups resharded after forward (default:
+    all but the root's)."""
     traits = MODES[mode]
     if traits.comm == "none":
         return []
@@ -175,9 +176,9 @@ def data_parallel_step(mode: str, params: int, grad_bytes: int, gather_bytes: in
         if traits.optimizer == "zero":  # each rank's updated partition, broadcast to the others
             out.append(StepCollective("broadcast", params * 4, True, optimizer=True))
         return out
-    gathers = 2 if regather else 1
+    again = params - edge_params if regathered is None else regathered
     return [StepCollective("all_gather", edge_params * gather_bytes, True),
-            StepCollective("all_gather", (gathers * params - edge_params) * gather_bytes, False),
+            StepCollective("all_gather", (params - edge_params + again) * gather_bytes, False),
             StepCollective("reduce_scatter", (params - edge_params) * grad_bytes, False),
             StepCollective("reduce_scatter", edge_params * grad_bytes, True)]
 
