@@ -12,7 +12,7 @@ compute_stall whose logs carry the GPUs' own readings;
 "overlap_contention" (compute grew beside overlapped collectives) or "slow_link" (communication several
 times its prediction, however little of the step it costs) for a healthy run's largest loss and a
 scaling loss's; "split" (a scaling loss the phases spread) or "step_only" (logs that time only the
-step) for a scaling loss;
+step) for a scaling loss; "host_starved" (host time grew with fewer CPUs per rank) for host overhead;
 "" for a kind's one piece of advice. Texts name their placeholders in braces: {rank} (straggler),
 {fixes} (misreport), {remedies} (the finding's remedies, in the order they measured best).
 """
@@ -82,6 +82,11 @@ ADVICE: dict[tuple[str, str], str] = {
     ("host_overhead", GPU): (
         "Profile a few steps (--profiling.enable) and look for gaps between kernels; reduce launches with "
         "--compile.enable or --training.cuda_graphs, or give each kernel more work with a larger local batch."),
+    ("host_overhead", "host_starved"): (
+        "Give each rank the CPUs the baseline's had: the job's CPU affinity (taskset, the scheduler's binding: "
+        "--cpus-per-task) and its container's quota (cpu.max) against ranks x (threads + data workers); rerun the "
+        "smaller job with as few CPUs per rank as the larger had: if its host time grows the same, the CPUs are the "
+        "cause."),
     ("host_overhead", CPU): (
         "Profile a few steps (--profiling.enable) and look for time outside the ops; fewer, larger ops "
         "(--compile.enable, a larger local batch) and threads per process x processes <= CPUs."),

@@ -15,13 +15,17 @@ from dataclasses import replace
 
 from titanlite.diagnose.confidence import confidence, trusted
 from titanlite.diagnose.consistency import consistency
-from titanlite.diagnose.detectors import (healthy, insufficient_finding, misreport_finding, phase_growth,
-                                          scaling_loss, share_of_step, step_growth, straggler)
+from titanlite.diagnose.detectors import (healthy, host_starved, insufficient_finding, misreport_finding,
+                                          phase_growth, scaling_loss, share_of_step, step_growth, straggler)
 from titanlite.diagnose.expected import efficiency, link_gbps
 from titanlite.diagnose.like_for_like import like_for_like, scaling_mode
 from titanlite.diagnose.reconstruct import Reconstruction
 from titanlite.diagnose.records import FIRST, SEVERITY_ORDER, Analysis, Finding, OtherReading, Thresholds
 from titanlite.diagnose.runs import Run
+
+
+# findings that say a larger run lost time against the baseline's prediction
+LOSS_KINDS = {"scaling_loss", "compute_stall", "communication", "data_stall", "host_overhead", "straggler"}
 
 
 def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float | None = None,
@@ -46,13 +50,16 @@ def analyze(runs: list[Run], th: Thresholds | None = None, link_override: float 
         comparable = mode not in ("not_comparable", "single_run") and not any(f.kind == "config_mismatch"
                                                                               for f in findings)
         if comparable and r is not base and trusted(base, rec):
+            findings += host_starved(base, r, gbps[r.label])
             grown = (phase_growth if r.has_breakdown and base.has_breakdown else step_growth)(
                 base, r, th, gbps[r.label], effs[r.label])
             findings += grown or scaling_loss(base, r, th, gbps[r.label], effs[r.label])
         findings += straggler(r, th)
         findings += share_of_step(r, "data", th.data_share)
         findings += share_of_step(r, "idle", th.idle_share)
-    findings += [f for f in (insufficient_finding(runs), misreport_finding(runs, rec, scaling, th) if rec else None) if f]
+    lost = any(f.kind in LOSS_KINDS for f in findings)
+    findings += [f for f in (insufficient_finding(runs), misreport_finding(runs, rec, scaling, th, lost) if rec else None)
+                 if f]
     findings = merge(findings)
     if not findings:
         findings = [healthy(runs, scaling, effs, gbps, mode)]

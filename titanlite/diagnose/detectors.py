@@ -19,7 +19,7 @@ import statistics
 from titanlite.diagnose.advice import ADVICE, advise, device_cause
 from titanlite.diagnose.expected import (collectives, comm_extra_ms, comm_ms, gradient_bytes, gradients_cross_bf16,
                                          phase_excess, predicted_step_ms, work_ratio)
-from titanlite.diagnose.like_for_like import cfg_value
+from titanlite.diagnose.like_for_like import cfg_value, cpus_per_rank
 from titanlite.diagnose.reconstruct import MISREPORTS, Reconstruction
 from titanlite.diagnose.records import Finding, Loss, Thresholds, severity
 from titanlite.diagnose.runs import GPU_READINGS, Run
@@ -187,6 +187,11 @@ def scaling_loss(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         title += (f"at least {left:,.1f} ms ({left / step:.0%}) is something else: overlap contention, host, data or "
                   f"stragglers." if left > noise else
                   "the collectives alone could account for it, were less of their time hidden than predicted.")
+    mine, theirs = cpus_per_rank(run), cpus_per_rank(base)
+    if mine is not None and theirs is not None and mine < theirs:
+        title += (f" It ran with {mine:g} CPUs per rank against the baseline's {theirs:g}: part of the loss may be "
+                  f"its host, starved of CPUs.")
+        ev.update(cpus_per_rank=mine, baseline_cpus_per_rank=theirs)
     lost = largest_loss(base, run, gbps)
     remedies: list[str] = []
     if lost:
@@ -203,6 +208,36 @@ def scaling_loss(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         cause = "step_only"
     return [Finding("scaling_loss", severity(loss / step), title, ev, advise("scaling_loss", cause, remedies),
                     score=loss / step, run=run.label, cause=cause, remedies=remedies)]
+
+
+HOST_FLOOR = 0.02  # host time grown by at least this share of the step, beyond the jitter, is named
+
+
+def host_starved(base: Run, run: Run, gbps: float) -> list[Finding]:
+    """A run with fewer CPUs per rank than the baseline (titanlite.diagnose.like_for_like.cpus_per_rank)
+    whose host time (idle outside the measured phases) or data wait grows beyond its prediction and
+    the jitter: the host is starved of CPUs."""
+    mine, theirs = cpus_per_rank(run), cpus_per_rank(base)
+    if mine is None or theirs is None or mine >= theirs or not (run.has_breakdown and base.has_breakdown):
+        return []
+    step = run.step_ms
+    rows, noise = phase_excess(base, run, gbps)
+    grown = [r for r in rows if r[0] in ("idle", "data") and r[3] > noise[r[0]] and r[3] >= HOST_FLOOR * step]
+    if not grown:
+        return []
+    excess = sum(r[3] for r in grown)
+    host = sum(r[1] for r in grown)
+    title = (f"{run.label} vs {base.label}: host-starved: {mine:g} CPUs per rank against {theirs:g}, and "
+             + " and ".join(f"{p} takes {got:,.1f} ms per step where the baseline predicts {want:,.1f} ms "
+                            f"(+{ex:,.1f} ms)" for p, got, want, ex in grown)
+             + f": {100 * excess / step:.0f}% of the {step:,.1f} ms step.")
+    ev = {"cpus_per_rank": mine, "baseline_cpus_per_rank": theirs, "step_ms": round(step, 3),
+          "excess_ms_per_step": round(excess, 3), "ranks_basis": "fastest rank (min over ranks)",
+          **{f"{p}_ms_per_step": round(got, 3) for p, got, _, _ in grown},
+          **{f"predicted_{p}_ms_per_step": round(want, 3) for p, _, want, _ in grown}}
+    # ranked by all the host time it names, so that the share-of-step finding of the same kind does not hide it
+    return [Finding("host_overhead", severity(excess / step), title, ev, advise("host_overhead", "host_starved"),
+                    score=max(excess, host) / step, run=run.label, cause="host_starved")]
 
 
 # ------------------------------------------------------------------------------ single-run detectors
@@ -261,9 +296,10 @@ def share_of_step(run: Run, phase: str, limit: float) -> list[Finding]:
 
 
 # ------------------------------------------------------------------------------ what the reconstruction found
-def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: Thresholds) -> Finding | None:
+def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: Thresholds,
+                      lost: bool = False) -> Finding | None:
     """The logs misreport what ran: say what they really did, whether that explains the scaling the
-    user saw, and what to fix in the logger."""
+    user saw (`lost`: another finding says a larger run lost time), and what to fix in the logger."""
     if not rec.corrected:
         return None
     by_label = {rr.label: rr for rr in rec.runs}
@@ -276,7 +312,7 @@ def misreport_finding(runs: list[Run], rec: Reconstruction, scaling: dict, th: T
 
     printed_eff = min(printed_per_gpu(r) / printed_per_gpu(base) for r in runs)
     eff = min((v for v in effs.values() if v is not None), default=None)
-    no_loss = multi and eff is not None and eff >= th.efficiency_ok
+    no_loss = multi and eff is not None and eff >= th.efficiency_ok and not lost
     rates = " and ".join(f"{by_label[r.label].tokens_per_sec_per_gpu:,.0f}" for r in runs)
     if no_loss and any(r.accum != r.accum_printed for r in runs):
         work = "; ".join(f"{r.label}: {r.accum} micro-step{'s' if r.accum > 1 else ''} per GPU"

@@ -18,6 +18,10 @@ def cfg_value(run: Run, key: str):
         return run.hardware.get("name")
     if key == "data_parallel":  # one rank runs the single-device path whatever the mode is
         return None if run.world == 1 else c.get("data_parallel")
+    if key == "cpus_job":
+        return cpus_job(run)
+    if key == "cpus_per_rank":
+        return cpus_per_rank(run)
     if key in dict(HOST_KEYS):
         return (run.hardware.get("host") or {}).get(key)
     return None if c.get(key) == "" else c.get(key)  # an empty string is a setting left unset
@@ -30,11 +34,30 @@ MUST_MATCH = [("model", "model"), ("seq_len", "seq_len"), ("training.mixed_preci
               ("hardware", "hardware")]
 BATCH_KEYS = [("batch_size", "local batch"), ("gradient_accumulation_steps", "accumulation steps"),
               ("global_batch_size", "global batch")]
-# the host side (run log startup_info.hardware.host). On CPU the threads are the compute, so they must
-# match; on GPU they only feed the kernels. The CPUs must match anywhere: another machine.
-HOST_KEYS = [("threads_per_process", "threads per process"), ("cpus", "CPUs"),
+# the host side (run log startup_info.hardware.host). On CPU the threads and the CPUs the job may use are
+# the compute, so they must match; on GPU they only feed the kernels (a run with fewer CPUs per rank is
+# compared, and named host-starved where its host time grows). The host's CPUs must match anywhere:
+# another machine.
+HOST_KEYS = [("threads_per_process", "threads per process"), ("cpus", "CPUs of the host"),
+             ("cpus_job", "CPUs the job may use"), ("cpus_per_rank", "CPUs per rank"),
              ("data_workers", "data workers per process")]
-HOST_MUST_MATCH = {"cpu": {"threads_per_process", "cpus"}, "cuda": {"cpus"}}
+HOST_MUST_MATCH = {"cpu": {"threads_per_process", "cpus", "cpus_job"}, "cuda": {"cpus"}}
+
+
+def cpus_job(run: Run) -> float | None:
+    """The CPUs the job's processes may run on: their affinity, under the cgroup's quota where one is set
+    (None where the log does not record them)."""
+    host = run.hardware.get("host") or {}
+    affinity, quota = host.get("cpus_affinity"), host.get("cpu_quota")
+    if not isinstance(affinity, (int, float)):
+        return None
+    return min(affinity, quota) if isinstance(quota, (int, float)) and quota > 0 else affinity
+
+
+def cpus_per_rank(run: Run) -> float | None:
+    """The CPUs each rank on a host has: the job's CPUs shared by the ranks started there."""
+    cpus, ranks = cpus_job(run), (run.hardware.get("host") or {}).get("ranks_per_host")
+    return None if cpus is None or not isinstance(ranks, int) or ranks < 1 else round(cpus / ranks, 3)
 
 
 def scaling_mode(runs: list[Run]) -> str:

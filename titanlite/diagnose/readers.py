@@ -7,7 +7,10 @@ Formats (FORMATS):
                training_iterations, the layout titanlite's run log keeps for its users' scripts);
   console      that trainer's console output saved to a file (settings block, then "Iter N" lines
                each followed by MFU / tokens/s / memory lines; tqdm and separator lines ignored);
-  torchtitan   torchtitan's console output ("step: N  loss: ...  memory: ...GiB(...%)  tps: ...").
+  torchtitan   torchtitan's console output ("step: N  loss: ...  memory: ...GiB(...%)  tps: ...");
+  nanogpt, megatron, titanlite_console
+               nanoGPT's, Megatron-LM's and titanlite's own console output (titanlite.diagnose.consoles
+               gives each line as its trainer prints it, and what is read from it).
 
 Every parser writes the keys titanlite's run log uses, in titanlite's units: config world_size /
 batch_size / gradient_accumulation_steps / global_batch_size / seq_len (plus tokens_per_iteration
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from titanlite.diagnose import consoles
 from titanlite.hardware import by_key
 from titanlite.metrics.run_log import LoggedRun, RunLogError, from_dict
 from titanlite.models import MODEL_REGISTRY, get_model_args
@@ -316,6 +320,12 @@ FORMATS: list[Format] = [  # most specific first
            _is_console, parse_console),
     Format("torchtitan", "torchtitan console output ('step: N  loss: ...  tps: ...')", "per_gpu",
            _is_torchtitan, parse_torchtitan),
+    Format("nanogpt", "nanoGPT console output ('iter N: loss ..., time ...ms')", "total", consoles.is_nanogpt,
+           consoles.parse_nanogpt),
+    Format("megatron", "Megatron-LM console output ('iteration N/ M | ... elapsed time per iteration (ms)')", "total",
+           consoles.is_megatron, consoles.parse_megatron),
+    Format("titanlite_console", "titanlite console output ('step N/M | loss ... ms/step ... tok/s')", "total",
+           consoles.is_titanlite_console, consoles.parse_titanlite_console),
 ]
 BY_NAME = {f.name: f for f in FORMATS}
 
@@ -418,6 +428,12 @@ def check_shape(run: LoggedRun) -> None:
             del cfg["tokens_per_iteration"]
             run.notes.append(f"sequence length {int(seq)} derived from the printed tokens per iteration "
                              "(pass --seq-len to give it)")
+    tpi, local, world, seq = (cfg.get(k) for k in ("tokens_per_iteration", "batch_size", "world_size", "seq_len"))
+    if cfg.get("gradient_accumulation_steps") is None and tpi and local and world and seq \
+            and tpi % (local * world * seq) == 0:
+        cfg["gradient_accumulation_steps"] = tpi // (local * world * seq)
+        run.notes.append(f"accumulation {cfg['gradient_accumulation_steps']} derived from the printed tokens per "
+                         "iteration (pass --accum to give it)")
     for name, (key, flag) in SETTING_KEYS.items():
         v = cfg.get(key)
         if v is None and name == "accum":
