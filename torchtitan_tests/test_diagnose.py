@@ -658,3 +658,77 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(command, tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     os.close(write)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+
+
+def with_host(path, **host):
+    """Give a log made by make_log the host record titanlite's run log writes (run_log.host_facts)."""
+    log = json.loads(Path(path).read_text())
+    log["startup_info"]["hardware"]["host"] = {"cpus": 64, "cpu_quota": None, "threads_per_process": 8,
+                                               "data_workers": 2, **host}
+    Path(path).write_text(json.dumps(log))
+    return path
+
+
+def test_host_time_that_grows_with_fewer_cpus_per_rank_is_host_starved(tmp_path):
+    """1 -> 4 GPUs on one host: the four ranks share the CPUs the one had (16 each against 64), and their
+    host time (idle outside the measured phases) grows 90 ms a step: host-starved, naming both CPU
+    counts. The same growth with as many CPUs per rank is host overhead of another cause; a CPU quota
+    under the affinity counts as the job's CPUs."""
+    ph = {"data": 1.0, "compute": 800.0, "comm": 0.0, "optimizer": 100.0}
+    a = with_host(make_log(tmp_path / "a.json", 1, 1000.0, phases=ph), cpus_affinity=64, ranks_per_host=1)
+    b = with_host(make_log(tmp_path / "b.json", 4, 1100.0, phases={**ph, "comm": 10.0}), cpus_affinity=64,
+                  ranks_per_host=4)
+    rep = report(tmp_path, a, b)
+    f = next(f for f in rep["findings"] if f["kind"] == "host_overhead")
+    assert f["cause"] == "host_starved" and "host-starved" in f["title"] and "16 CPUs per rank against 64" in f["title"]
+    assert f["evidence"]["idle_ms_per_step"] - f["evidence"]["predicted_idle_ms_per_step"] == pytest.approx(90, abs=3)
+    assert f["next_check"] == advise("host_overhead", "host_starved")
+    rows = {r["key"]: r for r in rep["like_for_like"]}
+    assert rows["cpus_per_rank"]["values"] == [64, 16] and rows["cpus_per_rank"]["ok"]
+    even = with_host(make_log(tmp_path / "even.json", 1, 1000.0, phases=ph), cpus_affinity=16, ranks_per_host=1)
+    rep = report(tmp_path, even, b)
+    assert not any(f["cause"] == "host_starved" for f in rep["findings"]), rep["findings"]
+    capped = with_host(make_log(tmp_path / "capped.json", 4, 1100.0, phases={**ph, "comm": 10.0}), cpus_affinity=64,
+                       cpu_quota=8.0, ranks_per_host=4)
+    rep = report(tmp_path, even, capped)  # 8 CPUs of quota over 4 ranks: 2 each against 16
+    f = next(f for f in rep["findings"] if f["kind"] == "host_overhead")
+    assert f["cause"] == "host_starved" and f["evidence"]["cpus_per_rank"] == 2
+
+
+def test_cpu_runs_with_fewer_cpus_per_rank_say_so(tmp_path):
+    """On CPU the job's CPUs are its compute: a run whose ranks had fewer (affinity or quota) is compared
+    (the like-for-like table shows both), and its compute stall names the CPUs per rank of both runs."""
+    paths = []
+    for name, world, step, cpus in (("a", 1, 1000.0, 2), ("b", 2, 30000.0, 1)):  # beyond gloo's all-reduce
+        p = make_log(tmp_path / f"{name}.json", world, step)
+        log = json.loads(Path(p).read_text())
+        log["startup_info"]["hardware"]["device"] = "cpu"
+        Path(p).write_text(json.dumps(log))
+        paths.append(with_host(p, cpus=2, cpus_affinity=cpus, ranks_per_host=world))
+    rep = report(tmp_path, *paths)
+    rows = {r["key"]: r for r in rep["like_for_like"]}
+    assert rows["cpus_job"]["values"] == [2, 1] and rows["cpus_per_rank"]["values"] == [2, 0.5]
+    f = rep["findings"][0]
+    assert rep["verdict"] == "compute_stall" and f["cause"] == "cpu"
+    assert "0.5 CPUs per rank against the baseline's 2: on CPU they are its compute" in f["title"]
+    assert (f["evidence"]["cpus_per_rank"], f["evidence"]["baseline_cpus_per_rank"]) == (0.5, 2)
+
+
+def test_cgroup_cpu_quota_is_read_in_either_version(tmp_path):
+    """The run log's CPU quota: cgroup v2's cpu.max (quota and period, `max` for none), else v1's CFS
+    files (a quota of -1 for none)."""
+    from titanlite.metrics.run_log import cpu_quota
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(v2) == 2.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    for quota, cpus in (("150000", 1.5), ("-1", None)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
+        assert cpu_quota(v1) == cpus
+    assert cpu_quota(tmp_path / "none") is None

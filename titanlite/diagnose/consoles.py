@@ -15,8 +15,8 @@ Megatron-LM (megatron/training/training.py, training_log), one line a log interv
   read: the iteration, its time, the global batch, lm loss and grad norm; from the arguments block it
   prints at start-up ("  micro_batch_size ........ 4"): micro batch, sequence length, data-parallel size
   (the world size diagnose models; a run that also splits the model by tensor or pipeline parallelism is
-  noted and its world size left to --gpus), and the global batch. Not read: its TFLOP/s per GPU (its own
-  FLOPs formula, with recomputation).
+  noted and its world size left to --gpus), and the global batch, which gives the accumulation. Not
+  read: its TFLOP/s per GPU (its own FLOPs formula, with recomputation).
 titanlite (titanlite.metrics.console), one line a log step, and the trainer's description at start-up:
     step     20/100 | loss  7.1234 | lr 3.00e-04 | gnorm  1.234 |    152.7 ms/step |     53,642 tok/s | ...
     model llama/1.36B: 1,294,159,104 params, 8.80 GFLOP/token | attention sdpa_cudnn | 4 x NVIDIA H100 80GB
@@ -112,9 +112,6 @@ def parse_megatron(path: Path, text: str) -> LoggedRun:
         if "global_batch_size" in e:  # a run's constant, printed on each line
             p["config"].setdefault("global_batch_size", int(e.pop("global_batch_size")))
         entries.append(e)
-    gb, local, world = (p["config"].get(k) for k in ("global_batch_size", "batch_size", "world_size"))
-    if gb and local and world and gb % (local * world) == 0:
-        p["config"]["gradient_accumulation_steps"] = gb // (local * world)
     p["hardware"]["device"] = "cuda"
     return logged(path, p, entries, "megatron", "'iteration N/ M | ... elapsed time per iteration (ms)'", notes)
 

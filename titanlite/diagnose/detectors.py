@@ -66,7 +66,8 @@ def phase_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         if kind == "compute_stall":
             cause, readings, why = stall_cause(base, run, th)
             ev.update(readings)
-            title += why
+            title += why + fewer_cpus(base, run, ev, "on CPU they are its compute" if run.device == "cpu" else
+                                      "its host may be starved of them")
         findings.append(Finding(kind, severity(excess / step), title, ev, advise(kind, cause), score=excess / step,
                                 run=run.label, cause=cause))
     return findings
@@ -149,7 +150,8 @@ def step_growth(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | N
     if kind == "compute_stall":
         cause, readings, why = stall_cause(base, run, th)
         ev.update(readings)
-        title += why
+        title += why + fewer_cpus(base, run, ev, "on CPU they are its compute" if run.device == "cpu" else
+                                  "its host may be starved of them")
     return [Finding(kind, severity(excess / run.step_ms), title, ev, advise(kind, cause),
                     score=max(excess, 0.0) / run.step_ms, run=run.label, cause=cause)]
 
@@ -187,11 +189,7 @@ def scaling_loss(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         title += (f"at least {left:,.1f} ms ({left / step:.0%}) is something else: overlap contention, host, data or "
                   f"stragglers." if left > noise else
                   "the collectives alone could account for it, were less of their time hidden than predicted.")
-    mine, theirs = cpus_per_rank(run), cpus_per_rank(base)
-    if mine is not None and theirs is not None and mine < theirs:
-        title += (f" It ran with {mine:g} CPUs per rank against the baseline's {theirs:g}: part of the loss may be "
-                  f"its host, starved of CPUs.")
-        ev.update(cpus_per_rank=mine, baseline_cpus_per_rank=theirs)
+    title += fewer_cpus(base, run, ev, "part of the loss may be its host, starved of them")
     lost = largest_loss(base, run, gbps)
     remedies: list[str] = []
     if lost:
@@ -208,6 +206,15 @@ def scaling_loss(base: Run, run: Run, th: Thresholds, gbps: float, eff: float | 
         cause = "step_only"
     return [Finding("scaling_loss", severity(loss / step), title, ev, advise("scaling_loss", cause, remedies),
                     score=loss / step, run=run.label, cause=cause, remedies=remedies)]
+
+
+def fewer_cpus(base: Run, run: Run, ev: dict, meaning: str) -> str:
+    """A sentence, and the evidence, where `run` had fewer CPUs per rank than the baseline ('' otherwise)."""
+    mine, theirs = cpus_per_rank(run), cpus_per_rank(base)
+    if mine is None or theirs is None or mine >= theirs:
+        return ""
+    ev.update(cpus_per_rank=mine, baseline_cpus_per_rank=theirs)
+    return f" It ran with {mine:g} CPUs per rank against the baseline's {theirs:g}: {meaning}."
 
 
 HOST_FLOOR = 0.02  # host time grown by at least this share of the step, beyond the jitter, is named

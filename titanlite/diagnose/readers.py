@@ -428,12 +428,17 @@ def check_shape(run: LoggedRun) -> None:
             del cfg["tokens_per_iteration"]
             run.notes.append(f"sequence length {int(seq)} derived from the printed tokens per iteration "
                              "(pass --seq-len to give it)")
-    tpi, local, world, seq = (cfg.get(k) for k in ("tokens_per_iteration", "batch_size", "world_size", "seq_len"))
-    if cfg.get("gradient_accumulation_steps") is None and tpi and local and world and seq \
-            and tpi % (local * world * seq) == 0:
-        cfg["gradient_accumulation_steps"] = tpi // (local * world * seq)
-        run.notes.append(f"accumulation {cfg['gradient_accumulation_steps']} derived from the printed tokens per "
-                         "iteration (pass --accum to give it)")
+    # a log that prints the step's whole batch but not its accumulation (nanoGPT's tokens per iteration,
+    # Megatron-LM's global batch) gives it once the world size and micro-batch are known
+    local, world, seq = (cfg.get(k) for k in ("batch_size", "world_size", "seq_len"))
+    for key, per_micro, what in (("global_batch_size", 1, "global batch"),
+                                 ("tokens_per_iteration", seq, "tokens per iteration")):
+        total = cfg.get(key)
+        if cfg.get("gradient_accumulation_steps") is None and total and local and world and per_micro \
+                and total % (local * world * per_micro) == 0:
+            cfg["gradient_accumulation_steps"] = total // (local * world * per_micro)
+            run.notes.append(f"accumulation {cfg['gradient_accumulation_steps']} derived from the printed {what} "
+                             "(pass --accum to give it)")
     for name, (key, flag) in SETTING_KEYS.items():
         v = cfg.get(key)
         if v is None and name == "accum":

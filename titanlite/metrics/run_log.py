@@ -67,12 +67,13 @@ def host_facts(threads_per_process: int, data_workers: int) -> dict:
     """The host side of a run that changes its speed, for the startup record: the machine's CPUs, the
     CPUs this process may run on (its affinity, as taskset or a scheduler's binding sets it) and the
     cgroup's CPU quota (a container's limit, in CPUs; None where there is none), the ranks started on
-    this host (torchrun's LOCAL_WORLD_SIZE), the process's intra-op threads (torchrun sets
+    this host (torchrun's LOCAL_WORLD_SIZE; 1 for a lone process), the process's intra-op threads (torchrun sets
     OMP_NUM_THREADS=1 when it starts several processes, where a plain one-process launch uses every core)
     and the data workers each process starts."""
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
-    return {"cpus": os.cpu_count() or 0, "cpus_affinity": affinity, "cpu_quota": cpu_quota(),
-            "ranks_per_host": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    per_host = os.environ.get("LOCAL_WORLD_SIZE")  # None where a launcher of several ranks does not say
+    ranks = int(per_host) if per_host else 1 if os.environ.get("WORLD_SIZE", "1") == "1" else None
+    return {"cpus": os.cpu_count() or 0, "cpus_affinity": affinity, "cpu_quota": cpu_quota(), "ranks_per_host": ranks,
             "threads_per_process": threads_per_process, "data_workers": data_workers}
 
 
