@@ -166,7 +166,8 @@ def data_parallel_step(mode: str, params: int, grad_bytes: int, gather_bytes: in
     parameters of the collective at each edge (ddp: the bucket reduced last, which holds the input
     embedding, ready last; fsdp: the root's, gathered first and reduced last). `regathered`: the
     parameters fsdp gathers again for backward, those of the groups resharded after forward (default:
-    all but the root's)."""
+    all but the root's). hsdp is priced as fsdp over all its ranks: the split into shard groups and
+    their replicas' all-reduce, which estimation's fake run records, is not modelled here."""
     traits = MODES[mode]
     if traits.comm == "none":
         return []
