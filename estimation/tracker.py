@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrappe
 from torch.utils._pytree import tree_flatten
 
 from titanlite.ops.master_linear import accumulate_weight_grad
+from titanlite.parallel.comm_model import OP_KIND, moved_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "comm_buffers")
 ALIGN = 512  # the CUDA caching allocator hands out multiples of 512 bytes; max_memory_allocated counts them
@@ -34,12 +35,11 @@ MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default:
 for _op, _kind in (("mm", "dtype"), ("addmm", "dtype"), ("addmm", "dtype_out")):
     if _kind in getattr(aten, _op).overloads():
         MATMULS[getattr(getattr(aten, _op), _kind)] = _op
-# c10d op -> (ring traffic factor on the buffer, index of the buffer arg whose bytes count)
+# c10d op -> index of the buffer arg whose bytes count (its kind and ring traffic: titanlite.parallel.comm_model)
 COLLECTIVES = {
-    "_allgather_base_": (1.0, 0), "_reduce_scatter_base_": (1.0, 1), "allreduce_": (2.0, 0),
-    "broadcast_": (1.0, 0), "allgather_into_tensor_coalesced_": (1.0, 0),
-    "reduce_scatter_tensor_coalesced_": (1.0, 1), "allreduce_coalesced_": (2.0, 0),
-    "alltoall_base_": (1.0, 1),  # fsdp_gradient_transport=bfloat16: the input's pieces for the other ranks
+    "_allgather_base_": 0, "_reduce_scatter_base_": 1, "allreduce_": 0, "broadcast_": 0,
+    "allgather_into_tensor_coalesced_": 0, "reduce_scatter_tensor_coalesced_": 1, "allreduce_coalesced_": 0,
+    "alltoall_base_": 1,  # fsdp_gradient_transport=bfloat16: the input's pieces for the other ranks
 }
 # Ops that move no bytes: allocation without a write, and metadata-only views.
 FREE_OPS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -312,15 +312,13 @@ class StepTracker(TorchDispatchMode):
         return out
 
     def _collective(self, name: str, args) -> None:
-        factor, idx = COLLECTIVES[name]
-        buf = args[idx]
+        buf = args[COLLECTIVES[name]]
         tensors = buf if isinstance(buf, (list, tuple)) else [buf]
         tensors = [x for t in tensors for x in (t if isinstance(t, (list, tuple)) else [t])]
         self.label(tensors, "comm_buffers")
         ranks = _group_ranks(args)
         n = len(ranks)
-        moved = factor * (n - 1) / n * sum(nbytes(t) for t in tensors) if name != "broadcast_" else \
-            sum(nbytes(t) for t in tensors)
+        moved = moved_bytes(OP_KIND[name], sum(nbytes(t) for t in tensors), n)
         self.work[self.phase].collectives.append(Collective(name, moved, ranks))
 
     def _work(self, func, name: str, args, kwargs, outs) -> None:

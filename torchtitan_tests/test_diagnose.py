@@ -14,7 +14,8 @@ import pytest
 
 from titanlite.diagnose import Settings, diagnose
 from titanlite.diagnose.advice import advise
-from titanlite.diagnose.runs import load_run
+from titanlite.parallel.comm_model import calibrated_link
+from titanlite.diagnose import load_run
 from titanlite.models import get_model_args
 
 from conftest import ROOT
@@ -122,7 +123,7 @@ def test_user_story_2_to_8_gpus(tmp_path, with_breakdown):
     assert eff[8]["efficiency_from_logged_tokens_per_sec"] == pytest.approx(0.25, rel=0.02)  # the "MFU fell 4x"
     if not with_breakdown:  # reasoned from step time, memory and the all-reduce estimate
         assert stall["evidence"]["memory_gb"] == stall["evidence"]["baseline_memory_gb"]
-        assert stall["evidence"]["excess_ms_per_step"] > 100 * stall["evidence"]["expected_allreduce_ms"]
+        assert stall["evidence"]["excess_ms_per_step"] > 100 * stall["evidence"]["expected_comm_ms"]
     else:
         assert stall["evidence"]["compute_ms_per_micro_step"] == pytest.approx(5700 / 4, rel=0.05)
     assert first_line_claims(tmp_path, rep) == ({"compute_stall"}, {rep["confidence"]})
@@ -171,22 +172,31 @@ def test_healthy_pair_and_warmup_excluded(tmp_path):
     assert "excluded" in rep["warmup_rule"]
 
 
-def test_healthy_names_where_the_efficiency_goes(tmp_path):
+def test_a_loss_beyond_the_prediction_names_where_it_goes(tmp_path):
     """1 -> 2 GPUs with ddp: compute grows 10% (below the stall thresholds) while 3 ms of communication
-    is exposed. Still healthy, and the finding says compute is the largest loss, most likely the
-    overlapped all-reduce; with the same compute there is no such sentence."""
+    is exposed, where the model, world size and link predict a few ms. Not healthy: a scaling loss, whose
+    finding names the loss, the collectives' most, and compute as the largest loss, most likely the
+    overlapped all-reduce; with the same compute the run is healthy and there is no such sentence."""
     ph = {"data": 1.0, "compute": 800.0, "comm": 0.0, "optimizer": 100.0}
     a = make_log(tmp_path / "a.json", 1, 901.0, phases=ph)
     b = make_log(tmp_path / "b.json", 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
     rep = report(tmp_path, a, b)
     (f,) = rep["findings"]
     loss = f["evidence"]["largest_loss"]
-    assert f["kind"] == "healthy" and (loss["run"], loss["phase"]) == ("2 GPUs", "compute"), f["title"]
+    assert f["kind"] == "scaling_loss" and (loss["run"], loss["phase"]) == ("2 GPUs", "compute"), f["title"]
+    ev = f["evidence"]
+    assert ev["per_gpu_work_ms"] == ev["baseline_step_ms"]  # the same work per GPU
+    assert ev["predicted_step_ms"] == pytest.approx(ev["per_gpu_work_ms"] + ev["collectives_overlapped_ms"], abs=0.01)
+    assert ev["loss_ms_per_step"] == pytest.approx(ev["step_ms"] - ev["predicted_step_ms"], abs=0.01)
+    assert 0 < ev["collectives_overlapped_ms"] < ev["collectives_none_hidden_ms"] < ev["loss_ms_per_step"]
+    assert ev["left_for_something_else_ms"] == pytest.approx(
+        ev["step_ms"] - ev["per_gpu_work_ms"] - ev["collectives_none_hidden_ms"], abs=0.01)
+    assert f"{ev['loss_ms_per_step']:,.1f} ms per step" in f["title"] and "at most" in f["title"]
     assert loss["cause"] == "overlap_contention" and loss["excess_ms_per_step"] == pytest.approx(80, abs=1)
     assert loss["exposed_comm_ms_per_step"] == pytest.approx(3.0, abs=0.1)
     # ddp without a bf16 all-reduce: that first, then fsdp with its gathers on the copy engines
     assert f["cause"] == "overlap_contention" and f["remedies"] == ["ddp_reduce_bf16", "fsdp_instead"]
-    assert f["next_check"] == advise("healthy", "overlap_contention", f["remedies"])
+    assert f["next_check"] == advise("scaling_loss", "overlap_contention", f["remedies"])
     b16 = make_log(tmp_path / "b16.json", 2, 984.0, phases={**ph, "compute": 880.0, "comm": 3.0})
     log = json.loads((tmp_path / "b16.json").read_text())
     log["startup_info"]["config"]["parallelism.ddp_reduce_dtype"] = "bfloat16"
@@ -335,7 +345,7 @@ DOCS = ROOT / "docs"
 
 
 @pytest.mark.parametrize("study,verdict,cause,effs,rank", [
-    ("h200_1_2_4_clean", "healthy", "overlap_contention", [1.0, 0.885, 0.878], None),
+    ("h200_1_2_4_clean", "scaling_loss", "overlap_contention", [1.0, 0.885, 0.878], None),
     ("h200_1_2_4_stall", "compute_stall", "gpu", [1.0, 0.885, 0.527], None),
     ("h200_presets_1_2_4_clean", "healthy", "", [1.0, 0.994, 0.991], None),
     ("h200_2_4_straggler", "straggler", "gpu", [1.0, 0.463], 3),
@@ -474,7 +484,7 @@ def test_inferred_accumulation_on_another_pair(tmp_path):
     assert all(measured_agree(r) for r in runs), [r["why"] for r in runs]
     assert rep["verdict"] == "compute_stall"
     stall = rep["findings"][0]
-    assert "expected_allreduce_ms" not in stall["evidence"]
+    assert "expected_comm_ms" not in stall["evidence"]
     assert "x what" not in stall["title"]  # no multiple of an all-reduce that was never estimated
     assert rep["confidence"] != "high" and "--model" in rep["settle_with"]
     assert ("4 GPUs", "allreduce_unknown") in causes(rep)
@@ -497,8 +507,9 @@ def test_the_model_given_sizes_the_all_reduce(tmp_path):
         assert "--model" not in rep["settle_with"] and "--model" not in r.stdout
         assert "pass --model" not in (out / "report.md").read_text()
         params = get_model_args(*model.split("/")).num_params()
-        ring = 2 * 3 / 4 * params * 4 / (rep["link_gbps_assumed"]["4 GPUs"] * 1e9) * 1000
-        assert rep["findings"][0]["evidence"]["expected_allreduce_ms"] == pytest.approx(ring, rel=1e-3)
+        link = calibrated_link(rep["link_gbps_assumed"]["4 GPUs"], "h100")  # ddp's ring all-reduce of fp32 gradients
+        ring = 2 * 3 / 4 * params * 4 / (link.gbps * 1e9 * link.efficiency) * 1000
+        assert rep["findings"][0]["evidence"]["expected_comm_ms"] == pytest.approx(ring, rel=1e-3)
 
 
 def test_no_ratio_over_an_all_reduce_of_zero(tmp_path):
@@ -508,8 +519,8 @@ def test_no_ratio_over_an_all_reduce_of_zero(tmp_path):
     b = make_log(tmp_path / "b.json", 2, 3000.0)
     rep = report(tmp_path, a, b)
     stall = rep["findings"][0]
-    assert rep["verdict"] == "compute_stall" and stall["evidence"]["expected_allreduce_ms"] > 0
-    ratio = stall["evidence"]["excess_ms_per_step"] / stall["evidence"]["expected_allreduce_ms"]
+    assert rep["verdict"] == "compute_stall" and stall["evidence"]["expected_comm_ms"] > 0
+    ratio = stall["evidence"]["excess_ms_per_step"] / stall["evidence"]["expected_comm_ms"]
     assert f"{ratio:,.0f}x" in stall["title"]
 
 
@@ -581,10 +592,10 @@ def test_advice_table_covers_every_finding_and_fills_its_placeholders(tmp_path):
     import string
 
     from titanlite.diagnose.advice import ADVICE, REMEDIES
-    from titanlite.diagnose.analysis import PHASE_KIND, overlap_remedies
+    from titanlite.diagnose.detectors import PHASE_KIND, overlap_remedies
 
     kinds = set(PHASE_KIND.values()) | {"straggler", "config_mismatch", "measurement_inconsistency",
-                                         "insufficient_data", "healthy"}
+                                         "insufficient_data", "healthy", "scaling_loss"}
     assert {k for k, _ in ADVICE} == kinds
     for kind in ("compute_stall", "straggler", "host_overhead", "config_mismatch"):
         assert {(kind, "gpu"), (kind, "cpu")} <= set(ADVICE)
@@ -615,7 +626,8 @@ def test_gradients_that_crossed_in_bf16_count_two_bytes_and_are_not_told_to_halv
     bytes a parameter, not four, and the overlap advice says so instead of offering fsdp_reduce_dtype bfloat16
     to halve them; with the transport off, with accumulation (float32 sums, NCCL's reduce-scatter), on a CPU
     run's float32 compute, or under ddp, the float32 bytes and that remedy stand."""
-    from titanlite.diagnose.analysis import gradient_bytes, overlap_remedies
+    from titanlite.diagnose.detectors import overlap_remedies
+    from titanlite.diagnose.expected import gradient_bytes
 
     path = make_log(tmp_path / "r.json", 2, 100.0)
     runs = {}
@@ -646,3 +658,77 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(command, tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     os.close(write)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+
+
+def with_host(path, **host):
+    """Give a log made by make_log the host record titanlite's run log writes (run_log.host_facts)."""
+    log = json.loads(Path(path).read_text())
+    log["startup_info"]["hardware"]["host"] = {"cpus": 64, "cpu_quota": None, "threads_per_process": 8,
+                                               "data_workers": 2, **host}
+    Path(path).write_text(json.dumps(log))
+    return path
+
+
+def test_host_time_that_grows_with_fewer_cpus_per_rank_is_host_starved(tmp_path):
+    """1 -> 4 GPUs on one host: the four ranks share the CPUs the one had (16 each against 64), and their
+    host time (idle outside the measured phases) grows 90 ms a step: host-starved, naming both CPU
+    counts. The same growth with as many CPUs per rank is host overhead of another cause; a CPU quota
+    under the affinity counts as the job's CPUs."""
+    ph = {"data": 1.0, "compute": 800.0, "comm": 0.0, "optimizer": 100.0}
+    a = with_host(make_log(tmp_path / "a.json", 1, 1000.0, phases=ph), cpus_affinity=64, ranks_per_host=1)
+    b = with_host(make_log(tmp_path / "b.json", 4, 1100.0, phases={**ph, "comm": 10.0}), cpus_affinity=64,
+                  ranks_per_host=4)
+    rep = report(tmp_path, a, b)
+    f = next(f for f in rep["findings"] if f["kind"] == "host_overhead")
+    assert f["cause"] == "host_starved" and "host-starved" in f["title"] and "16 CPUs per rank against 64" in f["title"]
+    assert f["evidence"]["idle_ms_per_step"] - f["evidence"]["predicted_idle_ms_per_step"] == pytest.approx(90, abs=3)
+    assert f["next_check"] == advise("host_overhead", "host_starved")
+    rows = {r["key"]: r for r in rep["like_for_like"]}
+    assert rows["cpus_per_rank"]["values"] == [64, 16] and rows["cpus_per_rank"]["ok"]
+    even = with_host(make_log(tmp_path / "even.json", 1, 1000.0, phases=ph), cpus_affinity=16, ranks_per_host=1)
+    rep = report(tmp_path, even, b)
+    assert not any(f["cause"] == "host_starved" for f in rep["findings"]), rep["findings"]
+    capped = with_host(make_log(tmp_path / "capped.json", 4, 1100.0, phases={**ph, "comm": 10.0}), cpus_affinity=64,
+                       cpu_quota=8.0, ranks_per_host=4)
+    rep = report(tmp_path, even, capped)  # 8 CPUs of quota over 4 ranks: 2 each against 16
+    f = next(f for f in rep["findings"] if f["kind"] == "host_overhead")
+    assert f["cause"] == "host_starved" and f["evidence"]["cpus_per_rank"] == 2
+
+
+def test_cpu_runs_with_fewer_cpus_per_rank_say_so(tmp_path):
+    """On CPU the job's CPUs are its compute: a run whose ranks had fewer (affinity or quota) is compared
+    (the like-for-like table shows both), and its compute stall names the CPUs per rank of both runs."""
+    paths = []
+    for name, world, step, cpus in (("a", 1, 1000.0, 2), ("b", 2, 30000.0, 1)):  # beyond gloo's all-reduce
+        p = make_log(tmp_path / f"{name}.json", world, step)
+        log = json.loads(Path(p).read_text())
+        log["startup_info"]["hardware"]["device"] = "cpu"
+        Path(p).write_text(json.dumps(log))
+        paths.append(with_host(p, cpus=2, cpus_affinity=cpus, ranks_per_host=world))
+    rep = report(tmp_path, *paths)
+    rows = {r["key"]: r for r in rep["like_for_like"]}
+    assert rows["cpus_job"]["values"] == [2, 1] and rows["cpus_per_rank"]["values"] == [2, 0.5]
+    f = rep["findings"][0]
+    assert rep["verdict"] == "compute_stall" and f["cause"] == "cpu"
+    assert "0.5 CPUs per rank against the baseline's 2: on CPU they are its compute" in f["title"]
+    assert (f["evidence"]["cpus_per_rank"], f["evidence"]["baseline_cpus_per_rank"]) == (0.5, 2)
+
+
+def test_cgroup_cpu_quota_is_read_in_either_version(tmp_path):
+    """The run log's CPU quota: cgroup v2's cpu.max (quota and period, `max` for none), else v1's CFS
+    files (a quota of -1 for none)."""
+    from titanlite.metrics.run_log import cpu_quota
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(v2) == 2.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    for quota, cpus in (("150000", 1.5), ("-1", None)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
+        assert cpu_quota(v1) == cpus
+    assert cpu_quota(tmp_path / "none") is None

@@ -42,7 +42,7 @@ JOBS = {
 
 def _worker(rank, world, port, jobs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -161,9 +161,13 @@ def test_cli_on_real_logs(logs, tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("verdict: compute_stall"), r.stdout + r.stderr
     rep = json.loads((out / "report.json").read_text())
     assert rep["verdict"] == "compute_stall"
-    for name in ("clean1", "shared"):  # the run log records the host: every process here runs one thread
+    # the run log records the host: every process here runs one thread; the shared-device fault pins the
+    # four ranks to one core, which their affinity records, and the stall names the CPUs per rank
+    for name, cpus, ranks in (("clean1", len(os.sched_getaffinity(0)), 1), ("shared", 1, 4)):
         host = json.loads(Path(logs[name]).read_text())["startup_info"]["hardware"]["host"]
-        assert host == {"cpus": os.cpu_count(), "threads_per_process": 1, "data_workers": 0}
+        assert host == {"cpus": os.cpu_count(), "cpus_affinity": cpus, "cpu_quota": host["cpu_quota"],
+                        "ranks_per_host": ranks, "threads_per_process": 1, "data_workers": 0}
+    assert f"{1 / 4:g} CPUs per rank" in rep["findings"][0]["title"]
     first = (out / "report.md").read_text().splitlines()[0].split()
     assert "compute_stall," in first and first[-1] == rep["confidence"]
     assert (out / "ranks.png").stat().st_size > 0

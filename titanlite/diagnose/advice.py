@@ -10,7 +10,9 @@ launch uses every core); "misreport" (the reconstruction found what the logger g
 "gpu_waiting" (the GPUs' utilisation or power fell: they waited) or "gpu_throttled" (as busy, lower clocks) for a
 compute_stall whose logs carry the GPUs' own readings;
 "overlap_contention" (compute grew beside overlapped collectives) or "slow_link" (communication several
-times its prediction, however little of the step it costs) for a healthy run's largest loss;
+times its prediction, however little of the step it costs) for a healthy run's largest loss and a
+scaling loss's; "split" (a scaling loss the phases spread) or "step_only" (logs that time only the
+step) for a scaling loss; "host_starved" (host time grew with fewer CPUs per rank) for host overhead;
 "" for a kind's one piece of advice. Texts name their placeholders in braces: {rank} (straggler),
 {fixes} (misreport), {remedies} (the finding's remedies, in the order they measured best).
 """
@@ -20,6 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GPU, CPU = "gpu", "cpu"
+
+# a healthy run's largest loss and a scaling loss share their causes, and what to check for each
+SLOW_LINK = (
+    "Run the largest job again with NCCL_DEBUG=INFO and read the transport its rings use (P2P over NVLink inside "
+    "a host; SHM or NET where peer-to-peer is off or unavailable), and measure the link at the gradient size "
+    "(nccl-tests all_reduce_perf) against the figure used here (--link-gbps).")
+OVERLAP_CONTENTION = (
+    "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
+    "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. To shrink "
+    "the overlap's cost: {remedies} (what each measured: docs/diagnosis.md, 'Measured remedies').")
 
 ADVICE: dict[tuple[str, str], str] = {
     ("compute_stall", GPU): (
@@ -70,6 +82,11 @@ ADVICE: dict[tuple[str, str], str] = {
     ("host_overhead", GPU): (
         "Profile a few steps (--profiling.enable) and look for gaps between kernels; reduce launches with "
         "--compile.enable or --training.cuda_graphs, or give each kernel more work with a larger local batch."),
+    ("host_overhead", "host_starved"): (
+        "Give each rank the CPUs the baseline's had: the job's CPU affinity (taskset, the scheduler's binding: "
+        "--cpus-per-task) and its container's quota (cpu.max) against ranks x (threads + data workers); rerun the "
+        "smaller job with as few CPUs per rank as the larger had: if its host time grows the same, the CPUs are the "
+        "cause."),
     ("host_overhead", CPU): (
         "Profile a few steps (--profiling.enable) and look for time outside the ops; fewer, larger ops "
         "(--compile.enable, a larger local batch) and threads per process x processes <= CPUs."),
@@ -90,17 +107,22 @@ ADVICE: dict[tuple[str, str], str] = {
     ("insufficient_data", ""): (
         "Log several steps past the warm-up (the first 10% of the run): more steps (--training.steps) or a "
         "smaller --metrics.log_freq, then diagnose again."),
+    ("scaling_loss", "step_only"): (
+        "Run the job at both sizes with titanlite (its run log times each rank's data, compute, comm and idle) or with "
+        "a profile of a few steps at the larger size (--profiling.enable): exposed NCCL kernels are communication, "
+        "longer GEMMs beside them are the overlap's contention, gaps between kernels are the host, and one rank "
+        "slower than the others is a straggler."),
+    ("scaling_loss", "split"): (
+        "Look at the phase that grew most: comm (measure the link at the gradient size with nccl-tests), compute "
+        "beside overlapped collectives (benchmarks/stream_profile.py shows how much longer the GEMMs take beside "
+        "the NCCL kernels), idle (the host: a profile of a few steps, --profiling.enable) or data."),
+    ("scaling_loss", "slow_link"): SLOW_LINK,
+    ("scaling_loss", "overlap_contention"): OVERLAP_CONTENTION,
     ("healthy", ""): (
         "Nothing to fix at these sizes. To go further, profile the largest run (--profiling.enable) and compare "
         "its MFU with the single-GPU baseline."),
-    ("healthy", "slow_link"): (
-        "Run the largest job again with NCCL_DEBUG=INFO and read the transport its rings use (P2P over NVLink inside "
-        "a host; SHM or NET where peer-to-peer is off or unavailable), and measure the link at the gradient size "
-        "(nccl-tests all_reduce_perf) against the figure used here (--link-gbps)."),
-    ("healthy", "overlap_contention"): (
-        "Run benchmarks/stream_profile.py under torchrun with the same options: it shows how much longer the "
-        "GEMMs take beside the NCCL kernels than on one GPU, and how much communication is exposed. To shrink "
-        "the overlap's cost: {remedies} (what each measured: docs/diagnosis.md, 'Measured remedies')."),
+    ("healthy", "slow_link"): SLOW_LINK,
+    ("healthy", "overlap_contention"): OVERLAP_CONTENTION,
 }
 
 

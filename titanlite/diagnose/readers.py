@@ -7,7 +7,10 @@ Formats (FORMATS):
                training_iterations, the layout titanlite's run log keeps for its users' scripts);
   console      that trainer's console output saved to a file (settings block, then "Iter N" lines
                each followed by MFU / tokens/s / memory lines; tqdm and separator lines ignored);
-  torchtitan   torchtitan's console output ("step: N  loss: ...  memory: ...GiB(...%)  tps: ...").
+  torchtitan   torchtitan's console output ("step: N  loss: ...  memory: ...GiB(...%)  tps: ...");
+  nanogpt, megatron, titanlite_console
+               nanoGPT's, Megatron-LM's and titanlite's own console output (titanlite.diagnose.consoles
+               gives each line as its trainer prints it, and what is read from it).
 
 Every parser writes the keys titanlite's run log uses, in titanlite's units: config world_size /
 batch_size / gradient_accumulation_steps / global_batch_size / seq_len (plus tokens_per_iteration
@@ -26,14 +29,22 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from titanlite.diagnose.reconstruct import registry_args
+from titanlite.diagnose import consoles
+from titanlite.hardware import by_key
 from titanlite.metrics.run_log import LoggedRun, RunLogError, from_dict
+from titanlite.models import MODEL_REGISTRY, get_model_args
+from titanlite.models.args import ModelArgs
+
+# unreadable or incompatible input: the message is one line naming the file(s) and the cause
+DiagnoseError = RunLogError
 
 
 @dataclass
@@ -309,8 +320,51 @@ FORMATS: list[Format] = [  # most specific first
            _is_console, parse_console),
     Format("torchtitan", "torchtitan console output ('step: N  loss: ...  tps: ...')", "per_gpu",
            _is_torchtitan, parse_torchtitan),
+    Format("nanogpt", "nanoGPT console output ('iter N: loss ..., time ...ms')", "total", consoles.is_nanogpt,
+           consoles.parse_nanogpt),
+    Format("megatron", "Megatron-LM console output ('iteration N/ M | ... elapsed time per iteration (ms)')", "total",
+           consoles.is_megatron, consoles.parse_megatron),
+    Format("titanlite_console", "titanlite console output ('step N/M | loss ... ms/step ... tok/s')", "total",
+           consoles.is_titanlite_console, consoles.parse_titanlite_console),
 ]
 BY_NAME = {f.name: f for f in FORMATS}
+
+
+def registry_args(model: dict, config: dict) -> ModelArgs | None:
+    """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
+    when it names none that is registered."""
+    name, flavor = model.get("name"), model.get("flavor")
+    if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
+        vocab = config.get("model.vocab_size")
+        return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
+    return None
+
+
+def labels(logs: list[LoggedRun]) -> list[str]:
+    """'2 GPUs', '8 GPUs', and '#1', '#2' for runs of the same size; ranks for CPU runs."""
+    unit = "GPU" if all(log.hardware.get("device", "cuda") == "cuda" for log in logs) else "rank"
+    worlds = [log.config["world_size"] for log in logs]
+    out, seen = [], {}
+    for w in worlds:
+        seen[w] = seen.get(w, 0) + 1
+        out.append(f"{w} {unit}{'s' if w > 1 else ''}" + (f" #{seen[w]}" if worlds.count(w) > 1 else ""))
+    return out
+
+
+def refuse_duplicates(paths: list[str]) -> None:
+    """The same log twice is no comparison: refuse the same file, and a byte-identical copy."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        try:
+            key = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+        except OSError:
+            continue  # the reader names the problem
+        if key in seen:
+            same = os.path.realpath(seen[key]) == os.path.realpath(p)
+            raise RunLogError(f"{seen[key]} and {p} are {'the same file' if same else 'identical logs'}: "
+                                "a scaling diagnosis compares different runs (give one log alone for a "
+                                "single-run report)")
+        seen[key] = p
 
 
 def read(path: str | Path, settings: Settings | None = None) -> LoggedRun:
@@ -348,8 +402,6 @@ def apply_settings(run: LoggedRun, s: Settings) -> None:
             run.overrides[key] = (run.config.get(key), value)
             run.config[key] = value
     if s.hardware:
-        from titanlite.hardware import by_key
-
         hw = by_key(s.hardware)
         name = hw.device_name if hw else s.hardware
         run.overrides["hardware"] = (run.hardware.get("name"), name)
@@ -376,6 +428,17 @@ def check_shape(run: LoggedRun) -> None:
             del cfg["tokens_per_iteration"]
             run.notes.append(f"sequence length {int(seq)} derived from the printed tokens per iteration "
                              "(pass --seq-len to give it)")
+    # a log that prints the step's whole batch but not its accumulation (nanoGPT's tokens per iteration,
+    # Megatron-LM's global batch) gives it once the world size and micro-batch are known
+    local, world, seq = (cfg.get(k) for k in ("batch_size", "world_size", "seq_len"))
+    for key, per_micro, what in (("global_batch_size", 1, "global batch"),
+                                 ("tokens_per_iteration", seq, "tokens per iteration")):
+        total = cfg.get(key)
+        if cfg.get("gradient_accumulation_steps") is None and total and local and world and per_micro \
+                and total % (local * world * per_micro) == 0:
+            cfg["gradient_accumulation_steps"] = total // (local * world * per_micro)
+            run.notes.append(f"accumulation {cfg['gradient_accumulation_steps']} derived from the printed {what} "
+                             "(pass --accum to give it)")
     for name, (key, flag) in SETTING_KEYS.items():
         v = cfg.get(key)
         if v is None and name == "accum":

@@ -33,7 +33,8 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from titanlite.diagnose.runs import median
+from titanlite.diagnose.figures import median
+from titanlite.diagnose.readers import registry_args
 from titanlite.hardware import lookup
 from titanlite.metrics.run_log import LoggedRun, steady
 from titanlite.models import MODEL_REGISTRY, get_model_args
@@ -245,16 +246,6 @@ class Reconstruction:
 
 
 # ------------------------------------------------------------------------------ facts
-def registry_args(model: dict, config: dict) -> ModelArgs | None:
-    """The model a log (or --model) names, from titanlite's registry with the run's vocabulary; None
-    when it names none that is registered."""
-    name, flavor = model.get("name"), model.get("flavor")
-    if name in MODEL_REGISTRY and flavor in MODEL_REGISTRY[name].flavors:
-        vocab = config.get("model.vocab_size")
-        return get_model_args(name, flavor, vocab if isinstance(vocab, int) and vocab > 0 else 0)
-    return None
-
-
 def model_args(log: LoggedRun) -> ModelArgs | None:
     """The model from its registry name (registry_args), else the one registry model whose parameter
     count the log prints (the earlier trainer prints only N), which the log is then named as."""

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from titanlite.diagnose.analysis import Analysis
+from titanlite.diagnose.records import Analysis
 from titanlite.diagnose.plots import phases_png, ranks_png
 from titanlite.diagnose.runs import PHASES, WARMUP_RULE
 from titanlite.errors import missing_package

@@ -11,14 +11,10 @@ GPUs ran something else.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import os
-import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from titanlite.metrics.run_log import STEADY_RULE, THROUGHPUT_RULE, LoggedRun, RunLogError, ran, steady, throughput
+from titanlite.diagnose.figures import iqr, median  # noqa: F401  (benchmarks read iqr here)
+from titanlite.metrics.run_log import STEADY_RULE, THROUGHPUT_RULE, LoggedRun, ran, steady, throughput
 
 PHASES = ("data", "compute", "comm", "optimizer", "idle")
 # the GPU's own readings a titanlite log carries per rank and log step (titanlite.metrics.nvml): the share of
@@ -28,9 +24,6 @@ WARMUP_RULE = (STEADY_RULE + ". Step time and phase times are medians over the s
                "does not move them); the logged tokens/s and MFU are their means, the run's throughput as every "
                "tool reports it (" + THROUGHPUT_RULE + ")")
 
-
-# unreadable or incompatible input: the message is one line naming the file(s) and the cause
-DiagnoseError = RunLogError
 
 
 @dataclass
@@ -152,22 +145,6 @@ class Run:
         return how(vals) if vals else None
 
 
-def iqr(values) -> float:
-    """Inter-quartile range: the entry-to-entry jitter a difference must beat to count as evidence."""
-    vals = sorted(float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v))
-    if len(vals) < 2:
-        return 0.0
-    q = statistics.quantiles(vals, n=4, method="inclusive")
-    return q[2] - q[0]
-
-
-def median(values) -> float | None:
-    """The median of the finite numbers among `values` (None where there are none): the one median of
-    diagnose's figures."""
-    vals = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-    return statistics.median(vals) if vals else None
-
-
 def build_run(log: LoggedRun, label: str = "", micro_steps: int | None = None,
               step_ms_derived: float | None = None) -> Run:
     """A diagnose Run from a read log; `micro_steps` is the reconstructed accumulation (default: as printed)."""
@@ -182,40 +159,6 @@ def build_run(log: LoggedRun, label: str = "", micro_steps: int | None = None,
               accum_printed=accum, source=log.source, step_ms_derived=step_ms_derived)
     run.rank_phases, run.breakdown_method = read_breakdown(st.entries)
     return run
-
-
-def load_run(path: str | Path) -> Run:
-    """One log of any supported format, read as printed (no reconstruction)."""
-    from titanlite.diagnose.readers import read
-
-    return build_run(read(path))
-
-
-def labels(logs: list[LoggedRun]) -> list[str]:
-    """'2 GPUs', '8 GPUs', and '#1', '#2' for runs of the same size; ranks for CPU runs."""
-    unit = "GPU" if all(log.hardware.get("device", "cuda") == "cuda" for log in logs) else "rank"
-    worlds = [log.config["world_size"] for log in logs]
-    out, seen = [], {}
-    for w in worlds:
-        seen[w] = seen.get(w, 0) + 1
-        out.append(f"{w} {unit}{'s' if w > 1 else ''}" + (f" #{seen[w]}" if worlds.count(w) > 1 else ""))
-    return out
-
-
-def refuse_duplicates(paths: list[str]) -> None:
-    """The same log twice is no comparison: refuse the same file, and a byte-identical copy."""
-    seen: dict[str, str] = {}
-    for p in paths:
-        try:
-            key = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-        except OSError:
-            continue  # the reader names the problem
-        if key in seen:
-            same = os.path.realpath(seen[key]) == os.path.realpath(p)
-            raise DiagnoseError(f"{seen[key]} and {p} are {'the same file' if same else 'identical logs'}: "
-                                "a scaling diagnosis compares different runs (give one log alone for a "
-                                "single-run report)")
-        seen[key] = p
 
 
 def read_breakdown(entries: list[dict]) -> tuple[dict[int, dict[str, list]], str | None]:
@@ -246,10 +189,3 @@ def read_breakdown(entries: list[dict]) -> tuple[dict[int, dict[str, list]], str
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     per[p].append(float(v))
     return out, method
-
-
-def load_runs(paths: list[str]) -> list[Run]:
-    """Read, reconstruct and label the runs, ordered by world size (the smallest is the scaling baseline)."""
-    from titanlite.diagnose import read_and_reconstruct
-
-    return read_and_reconstruct(paths)[0]

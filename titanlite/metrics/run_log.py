@@ -65,9 +65,47 @@ _END = b"]}\n"  # how the file ends: the iterations' list, the object, the line
 
 def host_facts(threads_per_process: int, data_workers: int) -> dict:
     """The host side of a run that changes its speed, for the startup record: the machine's CPUs, the
-    process's intra-op threads (torchrun sets OMP_NUM_THREADS=1 when it starts several processes, where
-    a plain one-process launch uses every core) and the data workers each process starts."""
-    return {"cpus": os.cpu_count() or 0, "threads_per_process": threads_per_process, "data_workers": data_workers}
+    CPUs this process may run on (its affinity, as taskset or a scheduler's binding sets it) and the
+    cgroup's CPU quota (a container's limit, in CPUs; None where there is none), the ranks started on
+    this host (torchrun's LOCAL_WORLD_SIZE; 1 for a lone process), the process's intra-op threads (torchrun sets
+    OMP_NUM_THREADS=1 when it starts several processes, where a plain one-process launch uses every core)
+    and the data workers each process starts."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    per_host = os.environ.get("LOCAL_WORLD_SIZE")  # None where a launcher of several ranks does not say
+    ranks = int(per_host) if per_host else 1 if os.environ.get("WORLD_SIZE", "1") == "1" else None
+    return {"cpus": os.cpu_count() or 0, "cpus_affinity": affinity, "cpu_quota": cpu_quota(), "ranks_per_host": ranks,
+            "threads_per_process": threads_per_process, "data_workers": data_workers}
+
+
+# where a process's cgroup CPU limit is written: cgroup v2 (quota and period on one line, "max" for none),
+# then v1's CFS files (a quota of -1 for none); /proc/self/cgroup names the process's own group
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(root: Path = CGROUP) -> float | None:
+    """The CPUs the process's cgroup lets it use (quota / period), None where no limit is set or readable."""
+    own = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else ["v2"]:
+                own[c] = path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    for folder in dict.fromkeys([root / own.get("v2", ""), root]):
+        try:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else int(quota) / int(period)
+    for folder in dict.fromkeys([root / "cpu" / own.get("cpu", ""), root / "cpu", root / "cpu,cpuacct"]):
+        try:
+            quota = int((folder / "cpu.cfs_quota_us").read_text())
+            period = int((folder / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
 
 
 def _dumps(obj) -> str:
