@@ -36,7 +36,9 @@ class Model:
                                  registry="titanlite.ops.attention:CHOICES")
     init: str = doc("scaled", "weight initialisation scheme: scaled (embeddings std 0.02, the blocks' output "
                               "projections scaled by the model's depth) or per_layer (the Llama reference scheme "
-                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth)",
+                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth); "
+                              "in both the output layer starts the loss near ln(vocab) (logits of std 0.5; tied "
+                              "embeddings std 1/dim)",
                     registry="titanlite.models.transformer:INITS")
     vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
 
