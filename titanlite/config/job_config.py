@@ -277,7 +277,8 @@ class Estimate:
     gap_us: float = doc(0.0, "GPU idle time between kernels, per kernel, in microseconds (0 = calibrated)", min=0.0)
     gpus_per_node: int = doc(0, "GPUs per node (those NVLink joins): a collective whose ranks are on one node runs on "
                                 "the GPU's link (titanlite/hardware.py), one whose ranks span nodes also crosses the "
-                                "network; hsdp shards inside a node; 0 = 8 (an HGX/DGX board)", min=0)
+                                "network; hsdp shards inside a node; 0 = 8 (an HGX/DGX board). Where estimate.ngpu is larger it must be a "
+                                "multiple of this (every node of a job runs the same number of ranks)", min=0)
     inter_node_gbps: float = doc(400.0, "network bandwidth between nodes per GPU, Gb/s each way (400: one NDR "
                                         "InfiniBand NIC per GPU); a measured bus bandwidth can be given with "
                                         "link_efficiency=1", min=0.001)
