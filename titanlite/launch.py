@@ -22,13 +22,16 @@ every process of the job from the terminal; SIGTERM sent here is passed on to th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 from titanlite.config import ConfigError, run_cli
@@ -194,32 +197,109 @@ def _quiet(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_AGENT_NOISE)
 
 
+class Ranks:
+    """This node's ranks once torchrun has started them, and the clean stop: SIGTERM or SIGINT here is
+    passed on to them, and the agent goes on watching, so the ranks finish their step, save and exit 0,
+    and so does the job, on one node or several (torchrun's own handler would stop them with the signal
+    and exit 128 + N whatever they did). A repeat past the ranks' grace (preemption.REPEAT_GRACE_S: an echo of the
+    same signal comes sooner) is torchrun's stop: the ranks get the signal again and SIGKILL after its
+    grace; a signal before the ranks start is torchrun's stop too."""
+
+    def __init__(self):
+        from titanlite.checkpoint.preemption import REPEAT_GRACE_S, SIGNALS  # the ranks' own handling of them
+
+        self.signals, self.grace_s = SIGNALS, REPEAT_GRACE_S
+        self.context = None
+        self.signal: signal.Signals | None = None  # the signal passed on, if any
+        self._at: float | None = None
+
+    def started(self, context) -> None:
+        """torchrun started `context`'s processes (its PContext) and put its own handlers in place."""
+        self.context = context
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                signal.signal(sig, self.stop)
+
+    def stop(self, signum: int, _frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig, now = signal.Signals(signum), time.monotonic()
+        if self._at is not None and now - self._at > self.grace_s:
+            raise SignalException(f"second {sig.name}", sigval=sig)
+        if self._at is None:
+            self.signal, self._at = sig, now
+            print(f"{sig.name}: passed on to this node's ranks, which finish their step, save (checkpoint.enable) and "
+                  f"exit; another {sig.name} stops them at once", file=sys.stderr, flush=True)
+        for pid in self.context.pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
 def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
     """torchrun in this process (`torch.distributed.run`, options as its command line takes them) on
-    titanlite.train; returns the exit code. A failed job ends in the first failing rank's one line and
-    its exit code where a rank said one (its error file), else in torchrun's report (exit code 1).
-    SIGUSR1 kills the ranks (the memory check's stop) and returns 137."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    titanlite.train; returns the exit code. A failed job ends in one line (`job_line`) and its exit
+    code instead of torchrun's report. SIGTERM and SIGINT stop the ranks cleanly (`Ranks`); SIGUSR1
+    kills them (the memory check's stop) and returns 137."""
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_quiet)
 
-    def stop(_signum, _frame):
+    def kill(_signum, _frame):
         # what torchrun's own handlers raise: its agent then stops the ranks with that signal
-        raise SignalException("stopped by titanlite.launch", sigval=signal.SIGKILL)
+        raise api.SignalException("stopped by titanlite.launch", sigval=signal.SIGKILL)
 
-    signal.signal(signal.SIGUSR1, stop)
+    ranks = Ranks()
+    start = api.PContext.start
+
+    def start_and_note(context) -> None:
+        start(context)
+        ranks.started(context)
+
+    api.PContext.start = start_and_note  # this process runs one agent: the patch lives as long as it
+    signal.signal(signal.SIGUSR1, kill)
     try:
         run(parse_args([*torchrun_opts, "-m", "titanlite.train", *train_args]))
     except ChildFailedError as e:
-        said = first_line(e)
-        print(said[0] if said else f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)  # else torchrun's report
-        return said[1] if said else 1
-    except SignalException as e:
+        line, code = job_line(e, ranks.signal)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except api.SignalException as e:
         return 128 + int(e.sigval)
+    finally:
+        api.PContext.start = start
     return 0
+
+
+def job_line(e, stopped_by: signal.Signals | None = None) -> tuple[str, int]:
+    """The failed job's one line and exit code, from torchrun's ChildFailedError `e` (the ranks of this
+    node that had ended when torchrun looked). The cause, in this order: a rank killed by a signal (the
+    kernel's out-of-memory killer, say), whatever the others were doing then (a save, a collective:
+    theirs is a consequence); else the first line a rank said (`first_line`); else a rank that exited
+    without one (its traceback is above). `stopped_by`: the signal passed on to the ranks (`Ranks`);
+    ranks it ended before training began (nothing to save yet) stop the job with 128 + N."""
+    silent = {rank: f for rank, f in e.failures.items() if "exit_code" not in f.error_file_data}
+    if stopped_by is not None and silent and all(f.exitcode in (-stopped_by, 128 + stopped_by)
+                                                 for f in silent.values()):
+        return (f"{stopped_by.name}: the ranks stopped before training began (nothing to save)",
+                128 + int(stopped_by))
+    where = lambda rank, f: f"rank {rank} (local rank {f.local_rank}, pid {f.pid} on {socket.gethostname()})"
+    killed = {rank: f for rank, f in silent.items() if f.exitcode < 0}
+    if killed:
+        rank, f = min(killed.items())
+        sig = signal.Signals(-f.exitcode)
+        why = (" (sent unasked, it is most often the kernel's out-of-memory killer: dmesg on that host says)"
+               if sig == signal.SIGKILL else "")
+        return (f"error: {where(rank, f)} was killed by {sig.name}{why}; the job stopped, checkpoints saved "
+                f"before are kept", 128 + int(sig))
+    said = first_line(e)
+    if said:
+        return said
+    rank, f = min(silent.items())
+    return (f"error: {where(rank, f)} exited with code {f.exitcode} without a line (its output above says why); "
+            f"the job stopped, checkpoints saved before are kept", f.exitcode)
 
 
 def first_line(e) -> tuple[str, int] | None:
