@@ -36,7 +36,7 @@ import time
 
 from titanlite.config import ConfigError, run_cli
 from titanlite.config.check import check, world_size
-from titanlite.errors import BAD_INPUT_EXIT, OUT_OF_MEMORY_EXIT
+from titanlite.errors import BAD_INPUT_EXIT, FAILURE_EXIT, OUT_OF_MEMORY_EXIT
 from titanlite.hardware import lookup
 
 
@@ -210,6 +210,7 @@ class Ranks:
 
         self.signals, self.grace_s = SIGNALS, REPEAT_GRACE_S
         self.context = None
+        self.stopped: set[int] = set()  # local ranks torchrun itself stopped (still running when it closed)
         self.signal: signal.Signals | None = None  # the signal passed on, if any
         self._at: float | None = None
 
@@ -219,6 +220,11 @@ class Ranks:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 signal.signal(sig, self.stop)
+
+    def closing(self, context) -> None:
+        """torchrun is about to stop `context`'s processes that still run (one has failed, or the job ends)."""
+        handlers = getattr(context, "subprocess_handlers", {})  # torchrun's processes for a module or a script
+        self.stopped |= {local for local, h in handlers.items() if h.proc.poll() is None}
 
     def stop(self, signum: int, _frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -252,35 +258,42 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
         raise api.SignalException("stopped by titanlite.launch", sigval=signal.SIGKILL)
 
     ranks = Ranks()
-    start = api.PContext.start
+    start, close = api.PContext.start, api.PContext.close
 
     def start_and_note(context) -> None:
         start(context)
         ranks.started(context)
 
-    api.PContext.start = start_and_note  # this process runs one agent: the patch lives as long as it
+    def note_and_close(context, *args, **kwargs) -> None:
+        ranks.closing(context)
+        close(context, *args, **kwargs)
+
+    # this process runs one agent: the patches live as long as it
+    api.PContext.start, api.PContext.close = start_and_note, note_and_close
     signal.signal(signal.SIGUSR1, kill)
     try:
         run(parse_args([*torchrun_opts, "-m", "titanlite.train", *train_args]))
     except ChildFailedError as e:
-        line, code = job_line(e, ranks.signal)
+        line, code = job_line(e, ranks.signal, ranks.stopped)
         print(line, file=sys.stderr, flush=True)
         return code
     except api.SignalException as e:
         return 128 + int(e.sigval)
     finally:
-        api.PContext.start = start
+        api.PContext.start, api.PContext.close = start, close
     return 0
 
 
-def job_line(e, stopped_by: signal.Signals | None = None) -> tuple[str, int]:
-    """The failed job's one line and exit code, from torchrun's ChildFailedError `e` (the ranks of this
-    node that had ended when torchrun looked). The cause, in this order: a rank killed by a signal (the
-    kernel's out-of-memory killer, say), whatever the others were doing then (a save, a collective:
-    theirs is a consequence); else the first line a rank said (`first_line`); else a rank that exited
-    without one (its traceback is above). `stopped_by`: the signal passed on to the ranks (`Ranks`);
-    ranks it ended before training began (nothing to save yet) stop the job with 128 + N."""
-    silent = {rank: f for rank, f in e.failures.items() if "exit_code" not in f.error_file_data}
+def job_line(e, stopped_by: signal.Signals | None = None, stopped: set[int] = frozenset()) -> tuple[str, int]:
+    """The failed job's one line and exit code, from torchrun's ChildFailedError `e` (this node's ranks).
+    The cause, in this order: a rank killed by a signal (the kernel's out-of-memory killer, say),
+    whatever the others were doing then (a save, a collective: theirs is a consequence); else the first
+    line a rank said (`first_line`); else a rank that exited without one (its traceback is above).
+    `stopped`: the local ranks torchrun itself stopped once one had failed, which say nothing of the
+    cause. `stopped_by`: the signal passed on to the ranks (`Ranks`); ranks it ended before training
+    began (nothing to save yet) stop the job with 128 + N."""
+    silent = {rank: f for rank, f in e.failures.items()
+              if "exit_code" not in f.error_file_data and f.local_rank not in stopped}
     if stopped_by is not None and silent and all(f.exitcode in (-stopped_by, 128 + stopped_by)
                                                  for f in silent.values()):
         return (f"{stopped_by.name}: the ranks stopped before training began (nothing to save)",
@@ -288,15 +301,15 @@ def job_line(e, stopped_by: signal.Signals | None = None) -> tuple[str, int]:
     where = lambda rank, f: f"rank {rank} (local rank {f.local_rank}, pid {f.pid} on {socket.gethostname()})"
     killed = {rank: f for rank, f in silent.items() if f.exitcode < 0}
     if killed:
-        rank, f = min(killed.items())
+        rank, f = min(killed.items())  # one poll of torchrun's finds them all dead: the lowest rank
         sig = signal.Signals(-f.exitcode)
         why = (" (sent unasked, it is most often the kernel's out-of-memory killer: dmesg on that host says)"
                if sig == signal.SIGKILL else "")
         return (f"error: {where(rank, f)} was killed by {sig.name}{why}; the job stopped, checkpoints saved "
                 f"before are kept", 128 + int(sig))
     said = first_line(e)
-    if said:
-        return said
+    if said or not silent:
+        return said or (f"error: the ranks were stopped ({', '.join(map(str, e.failures))})", FAILURE_EXIT)
     rank, f = min(silent.items())
     return (f"error: {where(rank, f)} exited with code {f.exitcode} without a line (its output above says why); "
             f"the job stopped, checkpoints saved before are kept", f.exitcode)

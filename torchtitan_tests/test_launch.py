@@ -421,6 +421,10 @@ def test_a_rank_killed_by_a_signal_is_the_jobs_cause(tmp_path, monkeypatch):
         "error: checkpoint step-4 could not be saved: Connection reset by peer", 1)
     line, code = launch.job_line(ChildFailedError("titanlite.train", {2: f(2, 7)}))
     assert code == 7 and line.startswith("error: rank 2 (local rank 2, pid 102 on ") and "exited with code 7" in line
+    # a rank torchrun stopped (SIGTERM) once another had said its failure is no cause
+    oom = f(0, 4, "error: out of memory in step 2 on rank 0", 1.0)
+    assert launch.job_line(ChildFailedError("titanlite.train", {0: oom, 1: f(1, -15)}), stopped={1}) == (
+        "error: out of memory in step 2 on rank 0", 1)
     # a stop passed on to the ranks that ended them before training began
     line, code = launch.job_line(ChildFailedError("titanlite.train", {0: f(0, -15), 1: f(1, -15)}), signal.SIGTERM)
     assert (line, code) == ("SIGTERM: the ranks stopped before training began (nothing to save)", 143)
