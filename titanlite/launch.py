@@ -27,6 +27,7 @@ import ctypes
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -48,16 +49,54 @@ def main(argv: list[str]) -> None:
     n_nodes = 1  # run_train.sh's count of torchrun's --nnodes (the one reading of it)
     if argv[:1] == ["--nodes"] and len(argv) > 1 and argv[1].isdigit() and int(argv[1]) >= 1:
         n_nodes, argv = int(argv[1]), argv[2:]
+    log_ranks = "0"  # LOG_RANK: the local ranks whose output is shown
+    if argv[:1] == ["--log-ranks"] and len(argv) > 1:
+        log_ranks, argv = argv[1], argv[2:]
     if "--" not in argv:
         raise ConfigError("titanlite.launch expects [TORCHRUN OPTIONS] -- TRAINING ARGUMENTS")
     torchrun_opts, train_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     cfg, found = check(train_args, world)
+    check_processes(cfg, found, world // n_nodes, log_ranks)
+    if torchrun_opts:
+        torchrun_opts = [*torchrun_opts, "--local-ranks-filter", log_ranks]
+    # the one command the job is (torchrun runs in this process, `agent`, so that its failure is one line)
+    print(shlex.join(["torchrun", *torchrun_opts, "-m", "titanlite.train", *train_args] if torchrun_opts
+                     else ["python", "-m", "titanlite.train", *train_args]), flush=True)
     prediction = prediction_command(cfg, world, n_nodes, found or [], command, train_args)
     if prediction is None:
         if torchrun_opts:
             sys.exit(agent(torchrun_opts, train_args))
         os.execv(sys.executable, train_command(train_args))
     sys.exit(supervise(Job(torchrun_opts, train_args), Prediction(prediction), cfg.training.memory_fit))
+
+
+def check_processes(cfg, found: list | None, per_node: int, log_ranks: str) -> None:
+    """Refuse, in one line, more processes on this node than it has GPUs (those CUDA_VISIBLE_DEVICES
+    leaves visible; debug.inject_shared_device puts them on one on purpose) or, on a node without a GPU,
+    than CPU cores this process may run on (every rank needs one of its own, or the ranks only take
+    turns), and log ranks (LOG_RANK, torchrun's local ranks) that this node does not run. `found`:
+    `check.gpus()` (None: nvidia-smi cannot tell)."""
+    if found:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = len([d for d in visible.split(",") if d.strip()]) if visible is not None else len(found)
+        where = "CUDA_VISIBLE_DEVICES leaves" if visible is not None else "nvidia-smi lists"
+        if per_node > gpus and not cfg.debug.inject_shared_device:
+            raise ConfigError(f"NGPU={per_node} processes on a node where {where} {gpus} GPU(s): one process per "
+                              f"GPU, NGPU={gpus} or less")
+    elif found == []:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if per_node > cores:
+            raise ConfigError(f"NGPU={per_node} processes on a node without a GPU and {cores} CPU core(s) for them: "
+                              f"each CPU rank needs a core of its own, NGPU={cores} or less")
+    try:
+        shown = [int(r) for r in log_ranks.split(",")]
+    except ValueError:
+        raise ConfigError(f"LOG_RANK must be local ranks separated by commas (0,1); got '{log_ranks}'") from None
+    outside = [r for r in shown if not 0 <= r < per_node]
+    if outside:
+        runs = "local rank 0" if per_node == 1 else f"local ranks 0-{per_node - 1}"
+        raise ConfigError(f"LOG_RANK={log_ranks}: this node runs {runs} (NGPU={per_node}), so "
+                          f"{', '.join(map(str, outside))} would show nothing")
 
 
 def train_command(train_args: list[str]) -> list[str]:

@@ -491,3 +491,50 @@ def test_a_rank_killed_mid_run_is_named_with_its_signal(tmp_path):
     assert len(said) == 1 and said[0].startswith(f"error: rank 1 (local rank 1, pid {rank1} on ") \
         and "killed by SIGKILL" in said[0], err[-3000:]
     assert list((tmp_path / "out" / "checkpoint").glob("step-*/complete.json"))
+
+
+# ------------------------------------------------------------------------------ what the node has
+def os_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("env,says", [
+    (lambda tmp: {"NGPU": str(os_cores() + 1)},
+     lambda: f"error: NGPU={os_cores() + 1} processes on a node without a GPU and {os_cores()} CPU core(s) for them: "
+             f"each CPU rank needs a core of its own, NGPU={os_cores()} or less"),
+    (lambda tmp: {"NGPU": "3", **fake_gpus(tmp, 2)},
+     lambda: "error: NGPU=3 processes on a node where nvidia-smi lists 2 GPU(s): one process per GPU, NGPU=2 or less"),
+    (lambda tmp: {"NGPU": "2", "CUDA_VISIBLE_DEVICES": "1", **fake_gpus(tmp, 2)},
+     lambda: "error: NGPU=2 processes on a node where CUDA_VISIBLE_DEVICES leaves 1 GPU(s): one process per GPU, "
+             "NGPU=1 or less"),
+    (lambda tmp: {"NGPU": "2", "LOG_RANK": "7"},
+     lambda: "error: LOG_RANK=7: this node runs local ranks 0-1 (NGPU=2), so 7 would show nothing"),
+    (lambda tmp: {"NGPU": "1", "LOG_RANK": "0,1"},
+     lambda: "error: LOG_RANK=0,1: this node runs local rank 0 (NGPU=1), so 1 would show nothing"),
+    (lambda tmp: {"NGPU": "1", "LOG_RANK": "first"},
+     lambda: "error: LOG_RANK must be local ranks separated by commas (0,1); got 'first'"),
+    (lambda tmp: {"NGPU": "1", "TORCHRUN_ARGS": "--nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500"},
+     lambda: "error: TORCHRUN_ARGS --nnodes 1:4: an elastic node count is not supported (the global batch, its "
+             "accumulation and the checks before start-up are made for one world size); give one count, --nnodes 4"),
+], ids=["more ranks than cores", "more ranks than GPUs", "more ranks than visible GPUs", "log rank outside",
+        "log rank outside one process", "log rank not a number", "elastic nodes"])
+def test_what_the_node_cannot_run_is_refused_in_one_line(tmp_path, env, says):
+    """NGPU against the node's GPUs (or CPU cores), LOG_RANK against its local ranks, an elastic node
+    count: one line, exit 2, before any process starts."""
+    r = run_train(tmp_path, *TINY, "--job.dump_folder", "out", ngpu=1, env=env(tmp_path), timeout=120)
+    assert (r.returncode, r.stderr) == (2, says() + "\n"), r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_train_sh_prints_the_one_command_it_runs(tmp_path):
+    """Its first line: the torchrun command of the job (with TORCHRUN_ARGS' fixed node count N:N read
+    as N), or python -m titanlite.train for one process."""
+    args = [*TINY, "--training.local_batch_size", "2", "--training.steps", "1", "--job.dump_folder", "out"]
+    r = run_train(tmp_path, *args, ngpu=2, env={"LOG_RANK": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = f"--job.config_file {ROOT}/train_configs/debug_model.toml"
+    assert r.stdout.splitlines()[0] == (f"torchrun --nproc_per_node=2 --standalone --role rank --tee 3 "
+                                        f"--local-ranks-filter 1 -m titanlite.train {config} " + " ".join(args))
+    assert "[rank0]:" not in r.stdout  # rank 0 logs the run; LOG_RANK=1 hides it
+    r = run_train(tmp_path, *args, ngpu=1)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == f"python -m titanlite.train {config} " + " ".join(args)
