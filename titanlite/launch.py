@@ -280,6 +280,56 @@ class Ranks:
                 os.kill(pid, signum)
 
 
+class Rendezvous:
+    """What a node waiting for the others says: at once (a second in, once it has joined) the rendezvous
+    endpoint, how many nodes have joined of how many and the time left before torchrun's join timeout
+    (--rdzv-conf join_timeout=S, 600 s by default), again every `every_s`; and the one line of a
+    rendezvous that gave up (`line`)."""
+
+    def __init__(self, endpoint: str, every_s: float = 15.0):
+        self.endpoint, self.every_s = endpoint, every_s
+        self.handler = None
+        self.joined, self.timeout_s = 0, 0.0
+
+    def _where(self) -> str:
+        return f"rendezvous {self.endpoint} (id {self.handler._settings.run_id})"
+
+    def join(self, handler, next_rendezvous):
+        """torchrun's `handler.next_rendezvous()`, said while it waits."""
+        self.handler, settings = handler, handler._settings
+        self.timeout_s = settings.timeout.join.total_seconds()
+        if settings.max_nodes == 1:
+            return next_rendezvous(handler)
+        done = threading.Event()
+        deadline = time.monotonic() + self.timeout_s
+
+        def say():
+            wait_s = 1.0  # the first line once this node has joined, then every every_s
+            while not done.wait(wait_s):
+                self.joined = len(handler._state_holder.state.participants)  # torchrun's last sync of the store
+                print(f"{self._where()}: {self.joined} of {settings.min_nodes} nodes joined, waiting "
+                      f"{max(deadline - time.monotonic(), 0):.0f} s more for the others (--rdzv-conf join_timeout=S "
+                      f"in TORCHRUN_ARGS sets the wait)", file=sys.stderr, flush=True)
+                wait_s = self.every_s
+
+        thread = threading.Thread(target=say, name="rendezvous-wait", daemon=True)
+        thread.start()
+        try:
+            return next_rendezvous(handler)
+        finally:
+            done.set()
+            thread.join()
+
+    def line(self, e: Exception) -> str:
+        if self.handler is None:
+            return f"error: rendezvous {self.endpoint}: {type(e).__name__}: {e}"
+        if "timeout" in type(e).__name__.lower():
+            return (f"error: {self._where()} gave up after {self.timeout_s:.0f} s with {self.joined} of "
+                    f"{self.handler._settings.min_nodes} nodes joined: start every node with the same --rdzv-endpoint "
+                    f"and --rdzv-id, or wait longer with --rdzv-conf join_timeout=S in TORCHRUN_ARGS")
+        return f"error: {self._where()}: {type(e).__name__}: {e}"
+
+
 def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
     """torchrun in this process (`torch.distributed.run`, options as its command line takes them) on
     titanlite.train; returns the exit code. A failed job ends in one line (`job_line`) and its exit
@@ -287,6 +337,8 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
     kills them (the memory check's stop) and returns 137."""
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     from torch.distributed.run import parse_args, run
 
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
@@ -296,8 +348,10 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
         # what torchrun's own handlers raise: its agent then stops the ranks with that signal
         raise api.SignalException("stopped by titanlite.launch", sigval=signal.SIGKILL)
 
-    ranks = Ranks()
+    args = parse_args([*torchrun_opts, "-m", "titanlite.train", *train_args])
+    ranks, rendezvous = Ranks(), Rendezvous(args.rdzv_endpoint or "this node")
     start, close = api.PContext.start, api.PContext.close
+    next_rendezvous = DynamicRendezvousHandler.next_rendezvous
 
     def start_and_note(context) -> None:
         start(context)
@@ -309,9 +363,13 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
 
     # this process runs one agent: the patches live as long as it
     api.PContext.start, api.PContext.close = start_and_note, note_and_close
+    DynamicRendezvousHandler.next_rendezvous = lambda handler: rendezvous.join(handler, next_rendezvous)
     signal.signal(signal.SIGUSR1, kill)
     try:
-        run(parse_args([*torchrun_opts, "-m", "titanlite.train", *train_args]))
+        run(args)
+    except RendezvousError as e:
+        print(rendezvous.line(e), file=sys.stderr, flush=True)
+        return FAILURE_EXIT
     except ChildFailedError as e:
         line, code = job_line(e, ranks.signal, ranks.stopped)
         print(line, file=sys.stderr, flush=True)
@@ -320,6 +378,7 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
         return 128 + int(e.sigval)
     finally:
         api.PContext.start, api.PContext.close = start, close
+        DynamicRendezvousHandler.next_rendezvous = next_rendezvous
     return 0
 
 

@@ -238,14 +238,16 @@ def test_slurm_batch_script_outside_a_job_is_one_line():
 
 
 # ------------------------------------------------------------------- careless starts of one job
-def launch_nodes(*per_node: list[str], port: int | None = None) -> list[subprocess.Popen]:
+def launch_nodes(*per_node: list[str], port: int | None = None, nnodes: int = 0,
+                 torchrun: tuple = ()) -> list[subprocess.Popen]:
     """One `python -m titanlite.launch` per node (what run_train.sh runs), one process each, meeting
-    through c10d on localhost; node i trains with per_node[i]."""
+    through c10d on localhost; node i trains with per_node[i]. `nnodes`: the job's nodes (default: as
+    many as are started); `torchrun`: more torchrun options."""
     port = port or free_port()
-    n = len(per_node)
+    n = nnodes or len(per_node)
     return [subprocess.Popen([sys.executable, "-m", "titanlite.launch", "--world-size", str(n), "--nodes", str(n),
                               "--nproc_per_node=1", "--nnodes", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                              f"127.0.0.1:{port}", "--rdzv-id", "titanlite-test", "--", *argv],
+                              f"127.0.0.1:{port}", "--rdzv-id", "titanlite-test", *torchrun, "--", *argv],
                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for argv in per_node]
 
@@ -304,3 +306,22 @@ def test_sigterm_to_every_node_saves_and_exits_0(tmp_cache):
     said = "\n".join(o + e for _, o, e in results)
     step = int(re.search(r"stopped after step (\d+); checkpoint saved", said).group(1))
     assert (folder / "checkpoint" / f"step-{step}" / "complete.json").exists()
+
+
+def test_a_node_alone_says_what_it_waits_for_and_gives_up_in_one_line(tmp_cache):
+    """One node of two started: within seconds it names the rendezvous endpoint, the nodes joined of how
+    many and the time left; at the join timeout set (--rdzv-conf join_timeout) it ends in one line, exit 1."""
+    import time
+
+    port = free_port()
+    started = time.time()
+    (code, out, err), = finish(launch_nodes(args(tmp_cache / "out", 2), port=port, nnodes=2,
+                                            torchrun=("--rdzv-conf", "join_timeout=8")), timeout=120)
+    assert code == 1, (out + err)[-3000:]
+    where = f"rendezvous 127.0.0.1:{port} (id titanlite-test)"
+    waiting = [line for line in err.splitlines() if line.startswith(f"{where}: 1 of 2 nodes joined, waiting ")]
+    assert waiting and re.search(r"waiting [5-8] s more for the others \(--rdzv-conf join_timeout=S", waiting[0]), err
+    assert err.splitlines()[-1] == (f"error: {where} gave up after 8 s with 1 of 2 nodes joined: start every node "
+                                    f"with the same --rdzv-endpoint and --rdzv-id, or wait longer with --rdzv-conf "
+                                    f"join_timeout=S in TORCHRUN_ARGS")
+    assert "Traceback" not in err and time.time() - started < 60
