@@ -1,8 +1,10 @@
-"""Start a training job: `python -m titanlite.launch --world-size W [--command C] [--nodes N] [TORCHRUN OPTIONS] -- ARGS`.
+"""Start a training job: `python -m titanlite.launch --world-size W [--command C] [--nodes N]
+[--log-ranks L] [TORCHRUN OPTIONS] -- ARGS`.
 
 What run_train.sh runs once it has chosen the processes (one process when no torchrun options come):
-1. The config check (`titanlite.config.check`): a bad option is one line and exit code 2 before any
-   rank starts.
+1. The config check (`titanlite.config.check`) and the node's check (`check_processes`: processes
+   per node against its GPUs or CPU cores, the log ranks against its local ranks): a bad option is
+   one line and exit code 2 before any rank starts. Then the one command the job is, printed.
 2. The memory check (`training.memory_fit`): where this node's GPU is in titanlite/hardware.py, `python
    -m estimation.preflight` predicts the job's peak memory per GPU *while the ranks start*, so a run
    that fits waits for nothing. A prediction that the configured local batch cannot fit stops the
@@ -12,12 +14,15 @@ What run_train.sh runs once it has chosen the processes (one process when no tor
    with the accumulation that keeps it, and says so. A job that ends first ends the check, but for
    an out-of-memory failure under `adjust`, which waits for the prediction to start again.
 3. The job: `python -m titanlite.train ARGS`, or torchrun run inside this module's `agent`, where a
-   failure a rank said in one line (`titanlite.errors.say_failure`) ends the job in that line, the
-   first failing rank's, with its exit code, instead of torchrun's report.
+   failed job ends in one line with its exit code instead of torchrun's report (`job_line`: a rank
+   killed by a signal, else the first line a rank said with `titanlite.errors.say_failure`, else a
+   rank that exited without one), a node waiting at the rendezvous says for what (`Rendezvous`), and
+   SIGTERM or SIGINT is passed on to the ranks, which save and exit 0 (`Ranks`).
 
 Without a memory check to run (no GPU, a GPU the table lacks, training.memory_fit=off) the job takes
 this process over; with one, this process waits for the job and relays its exit code. Ctrl-C reaches
-every process of the job from the terminal; SIGTERM sent here is passed on to the job.
+this process and the agent from the terminal (torchrun starts the ranks in sessions of their own:
+the agent passes it on); SIGTERM sent here is passed on to the job.
 """
 
 from __future__ import annotations
