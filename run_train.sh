@@ -3,10 +3,12 @@
 # Runs from any folder: every relative path (the config file, job.dump_folder, training.dataset_path,
 # checkpoint paths; on the command line or inside the TOML) is relative to the folder you run it from.
 # A config file not found there is looked up in this repository, so train_configs/... works anywhere.
-#   NGPU=N        processes on this node (default: all visible GPUs, or 1 on a machine without any)
-#   LOG_RANK=0,1  ranks whose output is shown (torchrun --local-ranks-filter)
+#   NGPU=N        processes on this node (default: all visible GPUs, or 1 on a machine without any); at most
+#                 one per GPU, or one per CPU core on a node without a GPU
+#   LOG_RANK=0,1  local ranks of this node whose output is shown (torchrun --local-ranks-filter; default 0)
 #   TORCHRUN_ARGS extra torchrun arguments, e.g. for several nodes:
 #                 TORCHRUN_ARGS="--nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500"
+#                 (one node count: an elastic MIN:MAX is refused)
 #   PYTHON        the interpreter (default python3). What it lacks of pyproject.toml's dependencies is
 #                 installed first (pip install -e this repository), torch before the rest:
 #   TITANLITE_INSTALL=0  use the interpreter as it is: no check, no pip (an offline machine set up by hand);
@@ -69,7 +71,16 @@ else
   [ "${NGPU:-0}" -ge 1 ] || NGPU=1
 fi
 NNODES=1
-if [[ "${TORCHRUN_ARGS:-}" =~ --nnodes[=\ ]([0-9]+) ]]; then NNODES=${BASH_REMATCH[1]}; fi
+if [[ "${TORCHRUN_ARGS:-}" =~ --nnodes[=\ ]([^ ]+) ]]; then
+  NNODES=${BASH_REMATCH[1]}
+  # torchrun's elastic MIN:MAX: the world size, and with it the batch split and the checks made for it,
+  # would be known only once the nodes have joined; a fixed count N:N is N
+  if [[ "$NNODES" =~ ^([0-9]+):([0-9]+)$ ]]; then
+    [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[2]}" ] || fail "TORCHRUN_ARGS --nnodes $NNODES: an elastic node count is not supported (the global batch, its accumulation and the checks before start-up are made for one world size); give one count, --nnodes ${BASH_REMATCH[2]}"
+    NNODES=${BASH_REMATCH[1]}
+  fi
+  [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || fail "TORCHRUN_ARGS --nnodes expects a number of nodes; got '$NNODES'"
+fi
 
 # Expandable segments: reserved GPU memory stays within a fraction of a percent of allocated, which
 # estimation's fit rule assumes. A setting of your own wins.
@@ -80,8 +91,11 @@ fi
 # titanlite.launch checks the options first (a bad one costs a second and one line, exit 2, not a
 # process-group start-up), predicts the peak memory per GPU beside the ranks' start-up
 # (training.memory_fit), and ends a failed job in one line with its exit code.
+# It prints the one command the job is: torchrun's (run inside titanlite.launch) or, for one process
+# on one node, python -m titanlite.train's.
 if [ "$NGPU" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
-  exec "$PY" -m titanlite.launch --world-size 1 --command "$0" -- "${ARGS[@]}"
+  exec "$PY" -m titanlite.launch --world-size 1 --command "$0" --log-ranks "${LOG_RANK:-0}" -- "${ARGS[@]}"
 fi
-exec "$PY" -m titanlite.launch --world-size $((NGPU * NNODES)) --command "$0" --nodes "$NNODES" --nproc_per_node="$NGPU" \
-  ${TORCHRUN_ARGS:---standalone} --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 -- "${ARGS[@]}"
+exec "$PY" -m titanlite.launch --world-size $((NGPU * NNODES)) --command "$0" --nodes "$NNODES" \
+  --log-ranks "${LOG_RANK:-0}" --nproc_per_node="$NGPU" ${TORCHRUN_ARGS:---standalone} --role rank --tee 3 \
+  -- "${ARGS[@]}"

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from titanlite.config import data_parallel_mode, resolve_batch, to_dict
+from titanlite.config import ConfigError, data_parallel_mode, resolve_batch, to_dict
 from titanlite.config.manager import check_combination
 from titanlite.models import MODEL_REGISTRY, get_model_args
 from titanlite.parallel.modes import MODES
@@ -163,6 +163,11 @@ def what_could_fit(cfg, args, world: int, budget_of) -> str:
         if cfg.activation_checkpoint.mode != "full":
             out.append("activation_checkpoint.mode=full")
         out.append("a shorter training.seq_len")
+    elif here < budget_of(world):  # the state fits, one sequence does not: the sequence length is the setting
+        longest = int((budget_of(world) - here) // activation_floor(args, 1))
+        out.append(f"training.seq_len {longest:,} or less (one sequence of {seq:,} tokens keeps "
+                   f"{size(activation_floor(args, seq))} of block inputs through the forward, with any activation "
+                   f"checkpointing, beside the model state's {size(here)})")
     n = next((n for n in (2 ** k for k in range(1, 11)) if n > world
               and floor_bytes(args, seq, sharded, n) <= budget_of(n)), None)
     if n:
@@ -183,6 +188,17 @@ def what_could_fit(cfg, args, world: int, budget_of) -> str:
     return "; ".join(out) if out else "nothing in titanlite's registry fits this GPU"
 
 
+def check_nodes(est, world: int) -> None:
+    """Refuse a layout of `world` GPUs over nodes that the GPUs per node do not divide: torchrun starts the
+    same number of ranks on every node of a job, so such a layout cannot run."""
+    node = gpus_per_node(est)
+    if world > node and world % node:
+        given = f"estimate.gpus_per_node {node}" if est.gpus_per_node else f"nodes of {node} GPUs (estimate.gpus_per_node 0)"
+        raise ConfigError(f"estimate.ngpu {world} over {given}: {world // node} node(s) of {node} and one of {world % node}, "
+                          f"where every node of a job runs the same number of ranks; set estimate.ngpu to a multiple of "
+                          f"{node} or estimate.gpus_per_node to a divisor of {world}")
+
+
 def estimate(cfg, progress=_progress) -> dict:
     """Memory at the configured batch, the largest batch that fits, and (for a run that fits) the
     throughput model. `report["memory"]["fits"]` False: the configured run cannot exist, and the
@@ -193,6 +209,7 @@ def estimate(cfg, progress=_progress) -> dict:
     est = cfg.estimate
     hw = get_hardware(est.hardware)
     world = est.ngpu
+    check_nodes(est, world)
     # the run estimated is one of estimate.ngpu ranks, laid out on its nodes: refused as the trainer refuses it
     check_combination(cfg, world, launch_on_nodes(est, world).ranks_per_host)
     accum = resolve_batch(cfg, world)
@@ -246,11 +263,15 @@ def estimate(cfg, progress=_progress) -> dict:
                 largest = local
         finally:
             run.close()
-    if est.search and largest == 0 and not any(fits(r.peak_bytes) for r in results.values()):
+    # no batch fits: said as an error with what could fit, and so without a search where the state fits
+    # and one sequence does not (the configured batch is not what to lower then, the sequence length is)
+    too_long = state <= fits.budget < state + floor
+    if (est.search or too_long) and largest == 0 and not any(fits(r.peak_bytes) for r in results.values()):
         r1 = results.get(1)
         need = (f"peak {r1.peak_bytes / GIB:.1f} GiB" if r1 else
                 f"its model state alone {state / GIB:.1f} GiB" if state > fits.budget else
-                f"its model state and blocks' inputs {(state + floor) / GIB:.1f} GiB")
+                f"its model state and one sequence's block inputs (training.seq_len {seq:,}) "
+                f"{(state + floor) / GIB:,.1f} GiB")
         budget_of = lambda n: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, "fsdp")).budget
         raise DoesNotFit(
             f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "

@@ -33,7 +33,7 @@ from titanlite.optim import fitting_warmup
 from titanlite.parallel.modes import MODES
 
 from estimation import DoesNotFit
-from estimation.estimate import GIB, _Fits, floor_bytes, headroom, size, usable_bytes, what_could_fit
+from estimation.estimate import GIB, _Fits, check_nodes, floor_bytes, headroom, size, usable_bytes, what_could_fit
 from estimation.hardware import GPUS_PER_NODE, auto_attention, get_hardware, gpus_per_node, launch_on_nodes
 from estimation.throughput import assumptions, predict
 from estimation.tracker import PhaseWork
@@ -161,6 +161,7 @@ def recommend(cfg, progress=_progress) -> dict:
     est = cfg.estimate
     hw = get_hardware(est.hardware)
     world = est.ngpu
+    check_nodes(est, world)
     seqs = target_sequences(cfg)
     if seqs % world:
         raise ConfigError(f"a global batch of {seqs} sequences cannot be split evenly over {world} GPUs")

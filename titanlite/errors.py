@@ -16,7 +16,8 @@ import time
 
 # The optional packages, by module: (pip package, the extra of pyproject.toml's
 # [project.optional-dependencies] that installs it). A test holds this table to pyproject.toml.
-OPTIONAL = {"matplotlib": ("matplotlib", "plot"), "pyarrow": ("pyarrow", "parquet"), "wandb": ("wandb", "wandb")}
+OPTIONAL = {"matplotlib": ("matplotlib", "plot"), "pyarrow": ("pyarrow", "parquet"), "wandb": ("wandb", "wandb"),
+            "datasets": ("datasets", "hf")}
 
 # A run's exit codes besides 0 (the README's table; 130 + Ctrl-C and 128 + N for a signal are the shell's)
 FAILURE_EXIT = 1        # a failure shown with its traceback, a checkpoint that could not be saved, stdout's reader gone

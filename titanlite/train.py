@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import re
+import socket
 import sys
 import time
 import traceback
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from titanlite.checkpoint import Checkpointer, CheckpointSaveError, Preemption, checkpoint_root, finished_line
 from titanlite.config import ConfigError, JobConfig, load_config, parallel_settings, resolve_batch, run_cli
+from titanlite.config.agree import disagreement, job_settings
 from titanlite.data import build_data
 from titanlite.debug import FaultInjector
 from titanlite.errors import BAD_INPUT_EXIT, FAILURE_EXIT, NON_FINITE_EXIT, OUT_OF_MEMORY_EXIT, say_failure
@@ -111,6 +113,18 @@ class GarbageCollector:
             gc.enable()
 
 
+def agree_on_config(cfg: JobConfig, world_size: int) -> None:
+    """Every rank's resolved settings gathered and compared (titanlite.config.agree): a job whose nodes
+    were started with different options stops here, before step 1, in one line naming the keys, their
+    values and the ranks and hosts holding each."""
+    if world_size == 1:
+        return
+    every: list = [None] * world_size
+    dist.all_gather_object(every, (socket.gethostname(), job_settings(cfg)))
+    if line := disagreement(every):
+        raise ConfigError(line)
+
+
 def check_writable(folder: str, key: str = "job.dump_folder") -> None:
     """Fail at start-up, not hours in, when outputs cannot be written."""
     try:
@@ -154,6 +168,7 @@ class Trainer:
         self.cfg = cfg
         settings = parallel_settings(cfg)  # what titanlite.parallel is told
         self.dims = init_distributed(settings, launch or Launch.from_environ())
+        agree_on_config(cfg, self.dims.world_size)  # before anything reads a setting another rank may not share
         self.device = self.dims.device
         self.grad_accum = resolve_batch(cfg, self.dims.dp_size)
         self.global_batch = cfg.training.local_batch_size * self.dims.dp_size * self.grad_accum

@@ -375,3 +375,23 @@ def test_launch_check_refuses_what_the_ranks_would(args, capabilities, message):
     else:
         with pytest.raises(ConfigError, match=re.escape(message)):
             check_launch(cfg, capabilities)
+
+
+def test_ranks_agree_on_everything_but_where_the_values_came_from(tmp_path):
+    """titanlite.config.agree: two nodes reading the same values from config files at other paths, and
+    with other dry-run settings, agree; any training setting that differs is named with each value and
+    the ranks and hosts holding it, contiguous ranks as a span."""
+    from titanlite.config.agree import disagreement, job_settings
+
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "job.toml").write_text("[training]\nsteps = 7\n")
+    a = job_settings(load_config(["--job.config_file", str(tmp_path / "a" / "job.toml")]))
+    b = job_settings(load_config(["--job.config_file", str(tmp_path / "b" / "job.toml"), "--estimate.ngpu", "8"]))
+    assert disagreement([("h0", a), ("h1", b)]) is None
+    c = job_settings(load_config(["--job.config_file", str(tmp_path / "b" / "job.toml"), "--training.seed", "3",
+                                  "--parallelism.data_parallel", "ddp"]))
+    assert disagreement([("h0", a), ("h0", a), ("h1", c), ("h1", c), ("h2", a)]) == (
+        "the job's ranks resolved different configurations: parallelism.data_parallel is 'fsdp' on ranks 0-1, 4 "
+        "(h0, h2), 'ddp' on ranks 2-3 (h1); training.seed is 42 on ranks 0-1, 4 (h0, h2), 3 on ranks 2-3 (h1); "
+        "start every node with the same options and config file")

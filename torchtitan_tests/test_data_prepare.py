@@ -208,3 +208,30 @@ def test_overwrite_replaces_a_prepared_dataset(tmp_path, tokenizer):
     prepare.main(args + ["--overwrite"])
     assert decode_docs(tmp_path / "out", "train")[0] == [DOCS[1]]
     assert leftovers(tmp_path) == []
+
+
+def test_a_hugging_face_dataset_prepares_as_the_same_documents_in_jsonl(tmp_path, tokenizer):
+    """--hf-dataset on a save_to_disk folder (a Dataset, and a DatasetDict's split) writes the shards the
+    same documents give from a jsonl file, null rows skipped and counted; a missing split or column is
+    one line naming it."""
+    datasets = pytest.importorskip("datasets")
+    rows = [DOCS[0], None, *DOCS[1:]]
+    datasets.Dataset.from_dict({"content": rows, "id": list(range(len(rows)))}).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"content": rows})}).save_to_disk(
+        str(tmp_path / "dd"))
+    write_jsonl(tmp_path / "a.jsonl", [{"content": d} for d in DOCS])
+    common = ["--tokenizer", str(tokenizer), "--text-field", "content", "--val-every", "3", "--workers", "1"]
+    prepare.main(["--input", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "from_jsonl"), *common])
+    for name, extra in (("ds", []), ("dd", ["--hf-split", "validation"])):
+        prepare.main(["--hf-dataset", str(tmp_path / name), *extra, "--output", str(tmp_path / f"from_{name}"), *common])
+        for split in ("train", "val"):
+            assert decode_docs(tmp_path / f"from_{name}", split)[0] == decode_docs(tmp_path / "from_jsonl", split)[0]
+        meta = read_meta(tmp_path / f"from_{name}")
+        assert meta["documents"] == len(DOCS) and meta["skipped"] == {"rows whose 'content' is null or not a string": 1}
+    for args, says in ((["--hf-dataset", str(tmp_path / "dd")], f"--hf-dataset {tmp_path / 'dd'} has no split 'train' "
+                                                                 f"(splits: validation); set --hf-split"),
+                       (["--hf-dataset", str(tmp_path / "ds"), "--text-field", "body"],
+                        f"--hf-dataset {tmp_path / 'ds'} has no column 'body' (columns: content, id); set --text-field")):
+        r = run_cli([*args, "--output", str(tmp_path / "bad"), "--tokenizer", str(tokenizer), "--workers", "1"])
+        assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (2, f"error: {says}"), r.stderr
+        assert not (tmp_path / "bad").exists()

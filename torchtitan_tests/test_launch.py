@@ -384,3 +384,157 @@ def test_run_train_sh_adjust_starts_again_at_the_batch_that_fits(tmp_path):
     first, second = (json.loads(p.read_text())["startup_info"]["config"] for p in logs)
     assert (first["batch_size"], first["gradient_accumulation_steps"]) == (16, 1)
     assert (second["batch_size"], second["gradient_accumulation_steps"], second["global_batch_size"]) == (8, 2, 32)
+
+
+# ------------------------------------------------------------------------------ a rank that dies
+def process_failure(tmp_path, monkeypatch, rank: int, exitcode: int, line: str | None = None, at: float = 0.0):
+    """torchrun's record of a failed rank, with the line it said (its error file) where `line` is given."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from titanlite.errors import say_failure
+
+    path = tmp_path / f"error_{rank}.json"
+    if line:
+        monkeypatch.setattr(time, "time", lambda: at)
+        say_failure(line, 1, Launch(world_size=3, rank=rank, error_file=str(path)))
+        monkeypatch.undo()
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_rank_killed_by_a_signal_is_the_jobs_cause(tmp_path, monkeypatch):
+    """A rank killed by a signal is named in the job's line, with the signal and 128 + N, before the line
+    another rank said about what it was doing (a save that lost its peer); without a signal, the first
+    said line; else the rank that exited without one, with its code."""
+    import signal
+    import socket
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    f = lambda *a, **k: process_failure(tmp_path, monkeypatch, *a, **k)
+    saving = f(0, 1, "error: checkpoint step-4 could not be saved: Connection reset by peer", 1.0)
+    e = ChildFailedError("titanlite.train", {0: saving, 1: f(1, -signal.SIGKILL)})
+    line, code = launch.job_line(e)
+    assert code == 137 and line.startswith(f"error: rank 1 (local rank 1, pid 101 on {socket.gethostname()}) was "
+                                           f"killed by SIGKILL (")
+    assert "checkpoints saved before are kept" in line
+    assert launch.job_line(ChildFailedError("titanlite.train", {0: saving, 2: f(2, 7)})) == (
+        "error: checkpoint step-4 could not be saved: Connection reset by peer", 1)
+    line, code = launch.job_line(ChildFailedError("titanlite.train", {2: f(2, 7)}))
+    assert code == 7 and line.startswith("error: rank 2 (local rank 2, pid 102 on ") and "exited with code 7" in line
+    # a rank torchrun stopped (SIGTERM) once another had said its failure is no cause
+    oom = f(0, 4, "error: out of memory in step 2 on rank 0", 1.0)
+    assert launch.job_line(ChildFailedError("titanlite.train", {0: oom, 1: f(1, -15)}), stopped={1}) == (
+        "error: out of memory in step 2 on rank 0", 1)
+    # a stop passed on to the ranks that ended them before training began
+    line, code = launch.job_line(ChildFailedError("titanlite.train", {0: f(0, -15), 1: f(1, -15)}), signal.SIGTERM)
+    assert (line, code) == ("SIGTERM: the ranks stopped before training began (nothing to save)", 143)
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The torchrun agent's ranks: the children of the launcher process, which runs the agent."""
+    pids = []
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        with open(f"/proc/{launcher}/task/{task}/children") as fh:
+            pids += [int(p) for p in fh.read().split()]
+    return sorted(pids)
+
+
+def started_job(folder, *extra: str, ngpu: int) -> subprocess.Popen:
+    """run_train.sh training until stopped, its first step logged when this returns."""
+    env = {**os.environ, "NGPU": str(ngpu), "TITANLITE_INSTALL": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(ROOT / "run_train.sh"), *TINY, "--training.local_batch_size", "2", "--training.steps",
+                             "200", "--debug.inject_data_delay_ms", "200", "--checkpoint.enable", "--job.dump_folder",
+                             "out", *extra], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 240
+    while True:
+        logs = list((folder / "out").glob("run_*[0-9].json"))
+        try:
+            if logs and json.loads(logs[0].read_text())["training_iterations"]:
+                return proc
+        except ValueError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_clean_stop_exits_0_with_one_process_or_several(tmp_path, ngpu, signame):
+    """SIGTERM or SIGINT to the launcher (run_train.sh's process): the ranks finish the step, save it and
+    the job exits 0 whatever the number of processes."""
+    import signal
+
+    proc = started_job(tmp_path, ngpu=ngpu)
+    proc.send_signal(getattr(signal, signame))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out + err)[-3000:]
+    step = int(re.search(rf"{signame}: stopped after step (\d+); checkpoint saved", out + err).group(1))
+    assert (tmp_path / "out" / "checkpoint" / f"step-{step}" / "complete.json").exists()
+
+
+def test_a_rank_killed_mid_run_is_named_with_its_signal(tmp_path):
+    """kill -9 of rank 1 while the job saves a checkpoint every step: the job's one line names rank 1 and
+    SIGKILL, exit 137, whatever rank 0 was doing; the checkpoints saved before stay complete."""
+    import signal
+
+    proc = started_job(tmp_path, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0", ngpu=2)
+    deadline = time.time() + 120
+    while not list((tmp_path / "out" / "checkpoint").glob("step-*/complete.json")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    rank1 = rank_pids(proc.pid)[1]
+    os.kill(rank1, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    said = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 137, (out + err)[-3000:]
+    assert len(said) == 1 and said[0].startswith(f"error: rank 1 (local rank 1, pid {rank1} on ") \
+        and "killed by SIGKILL" in said[0], err[-3000:]
+    assert list((tmp_path / "out" / "checkpoint").glob("step-*/complete.json"))
+
+
+# ------------------------------------------------------------------------------ what the node has
+def os_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("env,says", [
+    (lambda tmp: {"NGPU": str(os_cores() + 1)},
+     lambda: f"error: NGPU={os_cores() + 1} processes on a node without a GPU and {os_cores()} CPU core(s) for them: "
+             f"each CPU rank needs a core of its own, NGPU={os_cores()} or less"),
+    (lambda tmp: {"NGPU": "3", **fake_gpus(tmp, 2)},
+     lambda: "error: NGPU=3 processes on a node where nvidia-smi lists 2 GPU(s): one process per GPU, NGPU=2 or less"),
+    (lambda tmp: {"NGPU": "2", "CUDA_VISIBLE_DEVICES": "1", **fake_gpus(tmp, 2)},
+     lambda: "error: NGPU=2 processes on a node where CUDA_VISIBLE_DEVICES leaves 1 GPU(s): one process per GPU, "
+             "NGPU=1 or less"),
+    (lambda tmp: {"NGPU": "2", "LOG_RANK": "7"},
+     lambda: "error: LOG_RANK=7: this node runs local ranks 0-1 (NGPU=2), so 7 would show nothing"),
+    (lambda tmp: {"NGPU": "1", "LOG_RANK": "0,1"},
+     lambda: "error: LOG_RANK=0,1: this node runs local rank 0 (NGPU=1), so 1 would show nothing"),
+    (lambda tmp: {"NGPU": "1", "LOG_RANK": "first"},
+     lambda: "error: LOG_RANK must be local ranks separated by commas (0,1); got 'first'"),
+    (lambda tmp: {"NGPU": "1", "TORCHRUN_ARGS": "--nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500"},
+     lambda: "error: TORCHRUN_ARGS --nnodes 1:4: an elastic node count is not supported (the global batch, its "
+             "accumulation and the checks before start-up are made for one world size); give one count, --nnodes 4"),
+], ids=["more ranks than cores", "more ranks than GPUs", "more ranks than visible GPUs", "log rank outside",
+        "log rank outside one process", "log rank not a number", "elastic nodes"])
+def test_what_the_node_cannot_run_is_refused_in_one_line(tmp_path, env, says):
+    """NGPU against the node's GPUs (or CPU cores), LOG_RANK against its local ranks, an elastic node
+    count: one line, exit 2, before any process starts."""
+    r = run_train(tmp_path, *TINY, "--job.dump_folder", "out", ngpu=1, env=env(tmp_path), timeout=120)
+    assert (r.returncode, r.stderr) == (2, says() + "\n"), r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_train_sh_prints_the_one_command_it_runs(tmp_path):
+    """Its first line: the torchrun command of the job (with TORCHRUN_ARGS' fixed node count N:N read
+    as N), or python -m titanlite.train for one process."""
+    args = [*TINY, "--training.local_batch_size", "2", "--training.steps", "1", "--job.dump_folder", "out"]
+    r = run_train(tmp_path, *args, ngpu=2, env={"LOG_RANK": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = f"--job.config_file {ROOT}/train_configs/debug_model.toml"
+    assert r.stdout.splitlines()[0] == (f"torchrun --nproc_per_node=2 --standalone --role rank --tee 3 "
+                                        f"--local-ranks-filter 1 -m titanlite.train {config} " + " ".join(args))
+    assert "[rank0]:" not in r.stdout  # rank 0 logs the run; LOG_RANK=1 hides it
+    r = run_train(tmp_path, *args, ngpu=1)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == f"python -m titanlite.train {config} " + " ".join(args)

@@ -6,6 +6,7 @@ resumed by the two nodes, with every sample id counted across the change."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -234,3 +235,93 @@ def test_slurm_batch_script_outside_a_job_is_one_line():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr == ("error: SLURM_JOB_ID and SLURM_JOB_NODELIST are not set: submit this "
                                               "script with sbatch\n")
+
+
+# ------------------------------------------------------------------- careless starts of one job
+def launch_nodes(*per_node: list[str], port: int | None = None, nnodes: int = 0,
+                 torchrun: tuple = ()) -> list[subprocess.Popen]:
+    """One `python -m titanlite.launch` per node (what run_train.sh runs), one process each, meeting
+    through c10d on localhost; node i trains with per_node[i]. `nnodes`: the job's nodes (default: as
+    many as are started); `torchrun`: more torchrun options."""
+    port = port or free_port()
+    n = nnodes or len(per_node)
+    return [subprocess.Popen([sys.executable, "-m", "titanlite.launch", "--world-size", str(n), "--nodes", str(n),
+                              "--nproc_per_node=1", "--nnodes", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                              f"127.0.0.1:{port}", "--rdzv-id", "titanlite-test", *torchrun, "--", *argv],
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for argv in per_node]
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Each node's exit code, stdout and stderr."""
+    out = []
+    for p in nodes:
+        try:
+            out.append((p.wait(timeout=timeout), *p.communicate()))
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                q.kill()
+            pytest.fail(f"the nodes did not finish within {timeout} s")
+    return out
+
+
+def test_nodes_started_with_different_options_stop_before_step_1(tmp_cache):
+    """Node 1 started with another local batch and learning rate: every node ends in the same one line
+    naming both keys, each value and the rank and host holding it, exit 2, before any step (no run log
+    holds one)."""
+    import socket
+
+    host = socket.gethostname()
+    folder = tmp_cache / "out"
+    results = finish(launch_nodes(args(folder, 2), [*args(folder, 4), "--optimizer.lr", "1e-3"]))
+    want = (f"error: the job's ranks resolved different configurations: optimizer.lr is 0.003 on rank 0 ({host}), "
+            f"0.001 on rank 1 ({host}); training.local_batch_size is 2 on rank 0 ({host}), 4 on rank 1 ({host}); "
+            f"start every node with the same options and config file")
+    for code, out, err in results:
+        assert code == 2, (out + err)[-3000:]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [want], err[-3000:]
+        assert "Traceback" not in out + err
+    assert not any(json.loads(p.read_text())["training_iterations"] for p in folder.glob("run_*.json"))
+
+
+def test_sigterm_to_every_node_saves_and_exits_0(tmp_cache):
+    """SIGTERM to both nodes' launchers (as a scheduler's cancel or a preemption sends it): the ranks
+    finish the same step, save it, and every node exits 0, as one process does."""
+    import signal
+    import time
+
+    folder = tmp_cache / "out"
+    argv = [*args(folder, 2), "--training.steps", "200", "--checkpoint.enable", "--checkpoint.interval", "1000",
+            "--debug.inject_data_delay_ms", "200"]
+    nodes = launch_nodes(argv, argv)
+    deadline = time.time() + 240
+    while not any(folder.glob("run_*.json")) or not json.loads(
+            next(folder.glob("run_*.json")).read_text() or "{}").get("training_iterations"):
+        assert time.time() < deadline and all(p.poll() is None for p in nodes), "no step logged"
+        time.sleep(0.5)
+    for p in nodes:
+        p.send_signal(signal.SIGTERM)
+    results = finish(nodes)
+    assert [code for code, *_ in results] == [0, 0], "\n".join((o + e)[-2000:] for _, o, e in results)
+    said = "\n".join(o + e for _, o, e in results)
+    step = int(re.search(r"stopped after step (\d+); checkpoint saved", said).group(1))
+    assert (folder / "checkpoint" / f"step-{step}" / "complete.json").exists()
+
+
+def test_a_node_alone_says_what_it_waits_for_and_gives_up_in_one_line(tmp_cache):
+    """One node of two started: within seconds it names the rendezvous endpoint, the nodes joined of how
+    many and the time left; at the join timeout set (--rdzv-conf join_timeout) it ends in one line, exit 1."""
+    import time
+
+    port = free_port()
+    started = time.time()
+    (code, out, err), = finish(launch_nodes(args(tmp_cache / "out", 2), port=port, nnodes=2,
+                                            torchrun=("--rdzv-conf", "join_timeout=8")), timeout=120)
+    assert code == 1, (out + err)[-3000:]
+    where = f"rendezvous 127.0.0.1:{port} (id titanlite-test)"
+    waiting = [line for line in err.splitlines() if line.startswith(f"{where}: 1 of 2 nodes joined, waiting ")]
+    assert waiting and re.search(r"waiting [5-8] s more for the others \(--rdzv-conf join_timeout=S", waiting[0]), err
+    assert err.splitlines()[-1] == (f"error: {where} gave up after 8 s with 1 of 2 nodes joined: start every node "
+                                    f"with the same --rdzv-endpoint and --rdzv-id, or wait longer with --rdzv-conf "
+                                    f"join_timeout=S in TORCHRUN_ARGS")
+    assert "Traceback" not in err and time.time() - started < 60

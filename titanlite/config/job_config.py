@@ -36,7 +36,9 @@ class Model:
                                  registry="titanlite.ops.attention:CHOICES")
     init: str = doc("scaled", "weight initialisation scheme: scaled (embeddings std 0.02, the blocks' output "
                               "projections scaled by the model's depth) or per_layer (the Llama reference scheme "
-                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth)",
+                              "torchtitan uses: unit embeddings, output projections scaled by each block's depth); "
+                              "in both the output layer starts the loss near ln(vocab) (logits of std 0.5; tied "
+                              "embeddings std 1/dim)",
                     registry="titanlite.models.transformer:INITS")
     vocab_size: int = doc(0, "override the flavor's vocabulary size (0 = flavor's, or the tokenizer's for text data)", min=0)
 
@@ -275,7 +277,8 @@ class Estimate:
     gap_us: float = doc(0.0, "GPU idle time between kernels, per kernel, in microseconds (0 = calibrated)", min=0.0)
     gpus_per_node: int = doc(0, "GPUs per node (those NVLink joins): a collective whose ranks are on one node runs on "
                                 "the GPU's link (titanlite/hardware.py), one whose ranks span nodes also crosses the "
-                                "network; hsdp shards inside a node; 0 = 8 (an HGX/DGX board)", min=0)
+                                "network; hsdp shards inside a node; 0 = 8 (an HGX/DGX board). Where estimate.ngpu is larger it must be a "
+                                "multiple of this (every node of a job runs the same number of ranks)", min=0)
     inter_node_gbps: float = doc(400.0, "network bandwidth between nodes per GPU, Gb/s each way (400: one NDR "
                                         "InfiniBand NIC per GPU); a measured bus bandwidth can be given with "
                                         "link_efficiency=1", min=0.001)

@@ -3,8 +3,13 @@
     python -m titanlite.data.prepare --input 'corpus/*.jsonl' --output data/corpus --tokenizer tokenizer.json
     python -m titanlite.data.prepare --input corpus/ --output data/corpus --train-tokenizer --vocab-size 32000
 
+    python -m titanlite.data.prepare --hf-dataset saved/ --text-field content --output data/corpus --tokenizer tokenizer.json
+
 Inputs: .txt (one document per file, read in line-aligned pieces of about 1 MB), .jsonl (one
-document per line, in --text-field) and .parquet (column --text-field; needs pyarrow: the parquet extra). Every
+document per line, in --text-field), .parquet (column --text-field; needs pyarrow: the parquet extra)
+and a Hugging Face dataset (--hf-dataset: a save_to_disk folder or a name in the local hub cache,
+column --text-field of split --hf-split, read a batch of rows at a time from its memory-mapped Arrow
+files; needs datasets: the hf extra). Every
 document is followed by the EOS token; every --val-every-th document goes to the validation split,
 or, when the corpus has fewer documents than that (a single .txt), the last 1/val_every of its tokens,
 raised to one default global batch of 2048-token windows where a tenth of the corpus holds them.
@@ -138,6 +143,49 @@ READERS: dict[str, Callable[[Path, str, Skips], Iterator[Piece]]] = {
     ".txt": read_txt, ".jsonl": read_jsonl, ".parquet": read_parquet}
 
 
+def open_hf_dataset(source: str, split: str, field: str):
+    """Column `field` of the `split` of a Hugging Face dataset: a folder written by `save_to_disk` (a
+    Dataset, or a DatasetDict holding `split`), else a name in the local hub cache (HF_DATASETS_OFFLINE=1
+    keeps `datasets` from the network). Either way its Arrow files are memory-mapped, not read into memory."""
+    datasets = require("datasets", f"--hf-dataset {source}")
+    where = f"--hf-dataset {source}"
+    if Path(source).is_dir():
+        try:
+            ds = datasets.load_from_disk(source)
+        except Exception as e:
+            raise ConfigError(f"{where}: not a folder written by save_to_disk ({str(e).splitlines()[0]})") from None
+    else:
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:
+            raise ConfigError(f"{where}: no such folder, and no such dataset in the hub cache "
+                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"{where} has no split '{split}' (splits: {', '.join(ds)}); set --hf-split")
+        ds = ds[split]
+    if field not in ds.column_names:
+        raise ConfigError(f"{where} has no column '{field}' (columns: {', '.join(ds.column_names[:8])}); "
+                          f"set --text-field")
+    return ds.select_columns([field])
+
+
+def hf_pieces(source: str, split: str, field: str) -> Callable[[Skips], Iterator[Piece]]:
+    """The documents of a Hugging Face dataset's column `field`, read a batch of rows at a time."""
+    def pieces(skips: Skips) -> Iterator[Piece]:
+        row = 0
+        for batch in open_hf_dataset(source, split, field).iter(batch_size=1024):
+            for text in batch[field]:
+                row += 1
+                if not isinstance(text, str):
+                    skips.add(f"rows whose '{field}' is null or not a string", f"{source} row {row}")
+                elif not text:
+                    skips.add("empty documents", f"{source} row {row}")
+                else:
+                    yield text, True
+    return pieces
+
+
 def resolve_inputs(specs: list[str]) -> list[Path]:
     """Files named by paths, folders (searched recursively) or globs, sorted, each once."""
     kinds = ", ".join(READERS)
@@ -165,6 +213,14 @@ def file_pieces(paths: list[Path], field: str = "text") -> Callable[[Skips], Ite
     def pieces(skips: Skips) -> Iterator[Piece]:
         for path in paths:
             yield from READERS[path.suffix](path, field, skips)
+    return pieces
+
+
+def joined(*sources: Callable[[Skips], Iterator[Piece]]) -> Callable[[Skips], Iterator[Piece]]:
+    """The documents of every source, one source after the other."""
+    def pieces(skips: Skips) -> Iterator[Piece]:
+        for source in sources:
+            yield from source(skips)
     return pieces
 
 
@@ -360,14 +416,20 @@ def _capped_texts(pieces: Iterator[Piece], max_chars: int) -> Iterator[str]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m titanlite.data.prepare",
                                  description="Tokenize text into packed token shards for titanlite.")
-    ap.add_argument("--input", action="append", required=True, metavar="PATH_OR_GLOB",
+    ap.add_argument("--input", action="append", default=[], metavar="PATH_OR_GLOB",
                     help="a .txt/.jsonl/.parquet file, a folder, or a glob (quote it); repeatable")
+    ap.add_argument("--hf-dataset", default="", metavar="FOLDER_OR_NAME",
+                    help="a Hugging Face dataset (read after the --input files): a folder written by save_to_disk, "
+                         "or a dataset's name in the local hub cache; its --text-field column is read a batch of "
+                         "rows at a time (needs datasets: the hf extra)")
+    ap.add_argument("--hf-split", default="train", help="--hf-dataset: the split to read")
     ap.add_argument("--output", required=True, help="folder to create (must be new, empty, or --overwrite)")
     ap.add_argument("--tokenizer", default="", help="tokenizer.json to use (with --train-tokenizer: also save the trained one here)")
     ap.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the input first")
     ap.add_argument("--vocab-size", type=int, default=0, help="vocabulary of the trained tokenizer")
     ap.add_argument("--tokenizer-train-chars", type=int, default=10**9, help="characters of input to train the tokenizer on")
-    ap.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
+    ap.add_argument("--text-field", default="text", help="jsonl field / parquet or Hugging Face dataset column "
+                                                          "holding the text")
     ap.add_argument("--eos-token", default="", help="end-of-document token (default: the first of <|endoftext|>, </s>, ...)")
     ap.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY,
                     help="every N-th document goes to the validation split, or, when there are fewer than N "
@@ -391,13 +453,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.val_every < 0 or args.val_every == 1:
         raise ConfigError(f"--val-every must be 0 (no validation split) or at least 2 (1 would leave nothing to train "
                           f"on); got {args.val_every}")
-    paths = resolve_inputs(args.input)
+    if not args.input and not args.hf_dataset:
+        raise ConfigError("pass --input PATH_OR_GLOB (files) or --hf-dataset FOLDER_OR_NAME (a Hugging Face dataset)")
+    paths = resolve_inputs(args.input) if args.input else []
+    pieces, source = file_pieces(paths, args.text_field), f"{len(paths)} files from {', '.join(args.input)}"
+    if args.hf_dataset:
+        open_hf_dataset(args.hf_dataset, args.hf_split, args.text_field)  # a bad one is said before anything is written
+        pieces = joined(pieces, hf_pieces(args.hf_dataset, args.hf_split, args.text_field))
+        hf = f"Hugging Face dataset {args.hf_dataset} (split {args.hf_split})"
+        source = f"{source} and {hf}" if paths else hf
     meta = prepare_dataset(
-        file_pieces(paths, args.text_field), args.output, tokenizer="" if args.train_tokenizer else args.tokenizer,
+        pieces, args.output, tokenizer="" if args.train_tokenizer else args.tokenizer,
         train_vocab=args.vocab_size if args.train_tokenizer else 0, eos_token=args.eos_token,
         val_every=args.val_every, shard_tokens=args.shard_tokens, workers=args.workers, overwrite=args.overwrite,
         progress=True, tokenizer_train_chars=args.tokenizer_train_chars,
-        source=f"{len(paths)} files from {', '.join(args.input)} (field '{args.text_field}')")
+        source=f"{source} (field '{args.text_field}')")
     if args.train_tokenizer and args.tokenizer:
         shutil.copyfile(Path(args.output) / "tokenizer.json", args.tokenizer)
     return meta

@@ -18,12 +18,27 @@ from titanlite.ops.attention import build_attention
 from titanlite.ops.loss import chunked_linear_cross_entropy
 
 
+# Every scheme starts the loss near ln(vocab), what a uniform guess scores: the logits come out of
+# the final RMSNorm (unit RMS per element), so an output matrix of std s gives logits of std
+# s * sqrt(dim), which add about (s * sqrt(dim))**2 / 2 nats to the loss. Untied, s = 0.5 / sqrt(dim):
+# logits of std 0.5, +0.125 nats (1 / sqrt(dim), torchtitan's, adds 0.5). Tied, the matrix is also the
+# input embedding, and while the blocks' outputs are small the normalised hidden state of a token is
+# its own embedding scaled to unit RMS: its logit for the input token is s * dim (std 1 / sqrt(dim)
+# made it sqrt(dim), 11 for a dim of 128, and the loss started at ln(vocab) + 3.6). s = 1 / dim bounds
+# that logit by 1 and leaves the others' std at 1 / sqrt(dim). The blocks' first RMSNorm rescales the
+# small embedding, so their inputs are the same as at any other scale.
+OUTPUT_LOGIT_STD = 0.5
+
+
+def _output_std(args: ModelArgs) -> float:
+    return 1.0 / args.dim if args.tie_embeddings else OUTPUT_LOGIT_STD / math.sqrt(args.dim)
+
+
 def _init_scaled(model: "Transformer") -> None:
-    """Small embeddings (std 0.02) and one depth scale for the blocks' output projections."""
+    """Small embeddings (std 0.02; tied, the output layer's std) and one depth scale for the blocks'
+    output projections."""
     args = model.args
-    nn.init.normal_(model.tok_embeddings.weight, std=1.0 if args.tie_embeddings else 0.02)
-    if args.tie_embeddings:
-        model.tok_embeddings.weight.mul_(args.dim ** -0.5)
+    nn.init.normal_(model.tok_embeddings.weight, std=_output_std(args) if args.tie_embeddings else 0.02)
     # Residual-branch outputs get a depth-scaled std so the residual stream's variance stays flat.
     out_std = 0.02 / math.sqrt(2 * args.n_layers)
     for block in model.layers.values():
@@ -39,9 +54,8 @@ def _init_per_layer(model: "Transformer") -> None:
     weights that write into the residual stream (wo, w2 and w3, which scales w2's input) shrink with
     each block's own depth, 0.02 / sqrt(2 (layer + 1))."""
     args = model.args
-    nn.init.normal_(model.tok_embeddings.weight, std=1.0)
-    if args.tie_embeddings:  # the shared matrix is also the output layer: logits need 1/sqrt(dim)
-        model.tok_embeddings.weight.mul_(args.dim ** -0.5)
+    # tied, the shared matrix is also the output layer: the output layer's std
+    nn.init.normal_(model.tok_embeddings.weight, std=_output_std(args) if args.tie_embeddings else 1.0)
     for i, block in enumerate(model.layers.values()):
         for lin in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
             nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
@@ -50,8 +64,8 @@ def _init_per_layer(model: "Transformer") -> None:
             nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
-# model.init: how init_weights draws the embedding and the blocks' matrices (norms and the output
-# layer are the same in every scheme)
+# model.init: how init_weights draws the embedding and the blocks' matrices (norms and an untied
+# output layer are the same in every scheme)
 INITS = {"scaled": _init_scaled, "per_layer": _init_per_layer}
 
 
@@ -163,7 +177,7 @@ class Transformer(nn.Module):
                     norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
-            std = self.args.dim ** -0.5
+            std = _output_std(self.args)
             nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
