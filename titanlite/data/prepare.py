@@ -127,16 +127,19 @@ def read_parquet(path: Path, field: str, skips: Skips) -> Iterator[Piece]:
     names = pf.schema_arrow.names
     if field not in names:
         raise ConfigError(f"{path} has no column '{field}' (columns: {', '.join(names[:8])}); set --text-field")
-    row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                skips.add(f"rows whose '{field}' is null or not a string", f"{path} row {row}")
-            elif not text:
-                skips.add("empty documents", f"{path} row {row}")
-            else:
-                yield text, True
+    texts = (text for batch in pf.iter_batches(columns=[field], batch_size=4096) for text in batch.column(0).to_pylist())
+    yield from column_documents(texts, field, str(path), skips)
+
+
+def column_documents(texts: Iterator, field: str, where: str, skips: Skips) -> Iterator[Piece]:
+    """The documents of a column of rows (`where` names it in the skips): null, non-string and empty rows skipped."""
+    for row, text in enumerate(texts, 1):
+        if not isinstance(text, str):
+            skips.add(f"rows whose '{field}' is null or not a string", f"{where} row {row}")
+        elif not text:
+            skips.add("empty documents", f"{where} row {row}")
+        else:
+            yield text, True
 
 
 READERS: dict[str, Callable[[Path, str, Skips], Iterator[Piece]]] = {
@@ -173,16 +176,8 @@ def open_hf_dataset(source: str, split: str, field: str):
 def hf_pieces(source: str, split: str, field: str) -> Callable[[Skips], Iterator[Piece]]:
     """The documents of a Hugging Face dataset's column `field`, read a batch of rows at a time."""
     def pieces(skips: Skips) -> Iterator[Piece]:
-        row = 0
-        for batch in open_hf_dataset(source, split, field).iter(batch_size=1024):
-            for text in batch[field]:
-                row += 1
-                if not isinstance(text, str):
-                    skips.add(f"rows whose '{field}' is null or not a string", f"{source} row {row}")
-                elif not text:
-                    skips.add("empty documents", f"{source} row {row}")
-                else:
-                    yield text, True
+        texts = (text for batch in open_hf_dataset(source, split, field).iter(batch_size=1024) for text in batch[field])
+        yield from column_documents(texts, field, source, skips)
     return pieces
 
 
