@@ -41,7 +41,7 @@ from titanlite.models import build_model, get_model_args
 from titanlite.ops.attention import resolve_backend
 from titanlite.optim import build_lr_scheduler, build_optimizer, schedule_warning
 from titanlite.parallel.apply import parallelize
-from titanlite.parallel.dims import init_distributed
+from titanlite.parallel.dims import ParallelDims, init_distributed
 from titanlite.parallel.launcher_env import Launch
 from titanlite.parallel.launcher_watch import watch_launcher
 from titanlite.step import (CudaGraphStep, NonFiniteLossError, StepHooks, build_train_step, check_finite,
@@ -113,14 +113,19 @@ class GarbageCollector:
             gc.enable()
 
 
-def agree_on_config(cfg: JobConfig, world_size: int) -> None:
+def agree_on_config(cfg: JobConfig, dims: ParallelDims) -> None:
     """Every rank's resolved settings gathered and compared (titanlite.config.agree): a job whose nodes
     were started with different options stops here, before step 1, in one line naming the keys, their
-    values and the ranks and hosts holding each."""
-    if world_size == 1:
+    values and the ranks and hosts holding each. Host-side, over the job's ranks (the mesh's) on a gloo
+    group of its own, as the checkpoint's agreements: pickled settings need no GPU."""
+    if dims.world_size == 1:
         return
-    every: list = [None] * world_size
-    dist.all_gather_object(every, (socket.gethostname(), job_settings(cfg)))
+    group = dist.new_group(ranks=dims.ranks, backend="gloo")
+    try:
+        every: list = [None] * dims.world_size
+        dist.all_gather_object(every, (socket.gethostname(), job_settings(cfg)), group=group)
+    finally:
+        dist.destroy_process_group(group)
     if line := disagreement(every):
         raise ConfigError(line)
 
@@ -168,7 +173,7 @@ class Trainer:
         self.cfg = cfg
         settings = parallel_settings(cfg)  # what titanlite.parallel is told
         self.dims = init_distributed(settings, launch or Launch.from_environ())
-        agree_on_config(cfg, self.dims.world_size)  # before anything reads a setting another rank may not share
+        agree_on_config(cfg, self.dims)  # before anything reads a setting another rank may not share
         self.device = self.dims.device
         self.grad_accum = resolve_batch(cfg, self.dims.dp_size)
         self.global_batch = cfg.training.local_batch_size * self.dims.dp_size * self.grad_accum

@@ -783,15 +783,16 @@ def _mesh_groups_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from titanlite.config import parallel_settings
 
     with gloo_rank(rank, world, port, out_dir) as results:
-        calls = []  # (caller "file:function" under titanlite/, the group object)
+        calls = []  # (caller "file:function" under titanlite/, the group object, its backend and ranks then)
         originals = {name: getattr(dist, name) for name in SPIED}
 
         def spy(name):
             def call(*args, group=None, **kwargs):
                 caller = sys._getframe(1)
                 path = os.path.relpath(caller.f_code.co_filename, ROOT)
-                if path.startswith("titanlite"):
-                    calls.append((f"{path}:{caller.f_code.co_name}", group))
+                if path.startswith("titanlite"):  # a group may be gone by the end: what it was, at the call
+                    calls.append((f"{path}:{caller.f_code.co_name}", group, None if group is None else
+                                  (dist.get_backend(group), dist.get_process_group_ranks(group))))
                 return originals[name](*args, group=group, **kwargs)
             return call
 
@@ -805,12 +806,11 @@ def _mesh_groups_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                               "--validation.enable", "--validation.freq", "2", "--validation.steps", "1")))
             t.train()
             dims = t.dims
-            names = {id(dims.dp_group): "dp", id(t.checkpointer.group): "job, host-side"}
             seen = {}
-            for where, group in calls:
-                seen.setdefault(where, set()).add(
-                    "default" if group is None else
-                    f"{names.get(id(group), 'other')} {dist.get_process_group_ranks(group)}")
+            for where, group, (backend, ranks) in ((w, g, b or (None, None)) for w, g, b in calls):
+                kind = ("default" if group is None else "dp" if group is dims.dp_group else
+                        "job, host-side" if backend == "gloo" and ranks == dims.ranks else "other")
+                seen.setdefault(where, set()).add(kind if group is None else f"{kind} {ranks}")
             results[f"hsdp{rank}"] = {k: sorted(v) for k, v in seen.items()}
             results[f"mesh{rank}"] = {d: dist.get_process_group_ranks(dims.group(d)) for d in dims.mesh.mesh_dim_names}
 
@@ -858,5 +858,6 @@ def test_every_collective_takes_its_group_from_the_mesh(tmp_path):
         "titanlite/checkpoint/manager.py:_barrier": [f"job, host-side {every}"],
         "titanlite/checkpoint/preemption.py:requested": [f"job, host-side {every}"],
         "titanlite/metrics/breakdown.py:gather_breakdown": [f"job, host-side {every}"],
+        "titanlite/train.py:agree_on_config": [f"job, host-side {every}"],
     }
     assert results["zero1_0"] == {"ddp": [0, 2], "optimizer": [0, 2], "held": 0.5, "same_as": [0, 2]}
