@@ -256,7 +256,24 @@ class FakeRun:
             t.count_work = True
             t.reset_peak()
             self._step(local_batch, self.seq_len, micro_steps)
-            return StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
+            res = StepResult(t.peak, t.breakdown("peak"), self.hooks.model_state, dict(t.work), dict(t.phase_peak))
+        return self._with_bucket_rebuild(res) if micro_steps > 1 else res
+
+    def _with_bucket_rebuild(self, res: "StepResult") -> "StepResult":
+        """A measured step is a steady one. The real run's second step also rebuilds DDP's buckets at its
+        first forward, and under accumulation the masters' gradients still view the old ones then
+        (titanlite.parallel.grads.release_grads says why): every old bucket beside the new, the model
+        state and the gradients once more, before any activation. Its peak where that is the larger."""
+        keeps_views = (isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+                       and self.model.gradient_as_bucket_view and bool(self.masters.copies))
+        # the buckets hold every gradient in its parameter's dtype (the tracker files them as comm buffers)
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        rebuild = sum(res.model_state.values()) + grads
+        if not keeps_views or rebuild <= res.peak_bytes:
+            return res
+        at_rebuild = {**dict.fromkeys(res.breakdown, 0), **res.model_state}
+        at_rebuild["comm_buffers"] = at_rebuild.get("comm_buffers", 0) + grads  # the new buckets
+        return dataclasses.replace(res, peak_bytes=rebuild, breakdown=at_rebuild)
 
     def close(self) -> None:
         self._stack.close()

@@ -137,7 +137,7 @@ class TrainStep:
             else:
                 self.optimizer.step()  # a fused kernel skips a non-finite step on the device itself
             if self.zero_grad:
-                release_grads(self.model, self.optimizer, self.masters)
+                release_grads(self.model, self.optimizer, self.masters, self.grad_accum)
         return StepOut(total, grad_norm, skipped)
 
 

@@ -32,7 +32,8 @@ def grad_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None = None) -> None:
+def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None = None,
+                  micro_steps: int = 1) -> None:
     """After the update: gradients set to None, except where ddp keeps them in its buckets
     (parallelism.ddp_bucket_view): there the fp32 masters of bf16 copies (`masters`) keep theirs as
     stale (titanlite.ops.master_linear.release_stale), so the next backward's weight GEMMs write
@@ -40,12 +41,16 @@ def release_grads(model: nn.Module, optimizer: torch.optim.Optimizer, masters: M
     whole run, so keeping the views costs no memory; elsewhere (one device, fsdp) freed gradients
     make room for the next forward's activations.
 
-    Not before DDP has rebuilt its buckets (in the second step's first forward, in the order the
-    gradients became ready): the rebuild frees the old buckets before it allocates the new ones
-    unless gradients still view them, so a view kept through it would hold every old bucket beside
-    the new, the gradients' size once more at that moment (torch's `_has_rebuilt_buckets`)."""
+    Steps of one micro-step keep no view before DDP has rebuilt its buckets (in the second step's
+    first forward, in the order the gradients became ready): the rebuild frees the old buckets before
+    it allocates the new ones unless gradients still view them, so a view kept through it would hold
+    every old bucket beside the new, the gradients' size once more at that moment (torch's
+    `_has_rebuilt_buckets`). Steps of several (`micro_steps`) keep them all the same: their first
+    micro-steps run under no_sync, where DDP copies nothing into its buckets, so a master without a
+    view would grow a gradient of its own beside the buckets for the whole backward, a larger peak
+    than the rebuild's (which the estimate holds: estimation.fake_run)."""
     if (isinstance(model, DistributedDataParallel) and model.gradient_as_bucket_view
-            and getattr(model, "_has_rebuilt_buckets", True)):
+            and (micro_steps > 1 or getattr(model, "_has_rebuilt_buckets", True))):
         for p in model.parameters():
             if masters is not None and masters.has_copy(p):
                 release_stale(p)
