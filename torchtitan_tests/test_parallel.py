@@ -438,33 +438,39 @@ def _ddp_release_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import titanlite.step as step_module
 
     with gloo_rank(rank, world, port, out_dir) as results:
-        t = Trainer(load_config(base_args(out_dir, 4, "--parallelism.data_parallel", "ddp", "--training.steps", "3",
-                                          "--training.mixed_precision_param", "bfloat16")))
-        release, seen = step_module.release_grads, []
+        release = step_module.release_grads
+        for local, name in ((4, "single"), (2, "accumulated")):  # global batch 8: one micro-step, or two
+            t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, "--parallelism.data_parallel", "ddp",
+                                              "--training.steps", "3", "--training.global_batch_size", "8",
+                                              "--training.mixed_precision_param", "bfloat16")))
+            seen = []
 
-        def recording(model, optimizer, masters=None):
-            release(model, optimizer, masters)
-            kept = [p for p in model.parameters() if p.grad is not None]
-            seen.append({"rebuilt": model._has_rebuilt_buckets, "kept": len(kept),
-                         "masters": sum(masters.has_copy(p) for p in model.parameters())})
+            def recording(model, optimizer, masters=None, micro_steps=1):
+                release(model, optimizer, masters, micro_steps)
+                kept = [p for p in model.parameters() if p.grad is not None]
+                seen.append({"rebuilt": model._has_rebuilt_buckets, "kept": len(kept),
+                             "masters": sum(masters.has_copy(p) for p in model.parameters())})
 
-        step_module.release_grads = recording
-        try:
-            t.train()
-        finally:
-            step_module.release_grads = release
-        results[str(rank)] = seen
+            step_module.release_grads = recording
+            try:
+                t.train()
+            finally:
+                step_module.release_grads = release
+            results[f"{name}{rank}"] = seen
 
 
 def test_ddp_keeps_no_gradient_view_through_its_bucket_rebuild(tmp_path):
     """Under ddp the bf16 copies' fp32 masters keep their gradients as views of DDP's buckets between
-    steps, except after the first: DDP rebuilds its buckets in the second step's forward and frees the
-    old ones first unless a gradient still views them, which would hold the gradients' size twice."""
+    steps, except after the first of steps of one micro-step: DDP rebuilds its buckets in the second
+    step's forward and frees the old ones first unless a gradient still views them, which would hold the
+    gradients' size twice. Steps of several micro-steps keep them (their no_sync micro-steps would grow a
+    gradient beside the buckets otherwise)."""
     mp.spawn(_ddp_release_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    seen = json.load(open(tmp_path / "results.json"))["0"]
-    assert [s["rebuilt"] for s in seen] == [False, True, True]
-    assert seen[0]["kept"] == 0
-    assert all(s["kept"] == s["masters"] > 0 for s in seen[1:])
+    results = json.load(open(tmp_path / "results.json"))
+    single, accumulated = results["single0"], results["accumulated0"]
+    assert [s["rebuilt"] for s in single] == [s["rebuilt"] for s in accumulated] == [False, True, True]
+    assert single[0]["kept"] == 0
+    assert all(s["kept"] == s["masters"] > 0 for s in single[1:] + accumulated)
 
 
 # ------------------------------------------------------------------------------------- CUDA graphs
