@@ -465,7 +465,8 @@ OLD = ROOT / "torchtitan_tests" / "data" / "checkpoint_364d93a"
 def test_checkpoint_written_before_the_restricted_reader_resumes_exactly(tmp_path, monkeypatch):
     """A checkpoint written by commit 364d93a (DCP read with plain pickle then; made by the script in
     its folder, losses of its run beside it) loads through the restricted reader and its resumed steps
-    equal an uninterrupted run of this code bit for bit, as do the steps before it."""
+    equal that run's own steps bit for bit, as they equal an uninterrupted run of this code resumed from
+    it. (This code's own initial weights differ from that run's: the output layer's init changed.)"""
     import importlib.util
     import json
 
@@ -477,16 +478,12 @@ def test_checkpoint_written_before_the_restricted_reader_resumes_exactly(tmp_pat
 
     monkeypatch.setitem(MODEL_REGISTRY["llama"].flavors, "tiny", TINY)
     old_losses = {int(k): v for k, v in json.loads((OLD / "losses.json").read_text()).items()}
-    whole = Trainer(load_config(ARGS + ["--job.dump_folder", str(tmp_path / "whole"), "--checkpoint.enable=false"]))
-    whole.train()
-    whole.close()
     shutil.copytree(OLD / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     t = Trainer(load_config(ARGS + ["--job.dump_folder", str(tmp_path / "resumed")]))
     assert t.state.step == 2
     t.train()
     t.close()
-    assert losses(t) == {3: losses(whole)[3], 4: losses(whole)[4]}
-    assert losses(whole) == old_losses
+    assert losses(t) == {3: old_losses[3], 4: old_losses[4]}
 
 
 # ------------------------------------------------------------------------------------- save failure
