@@ -242,7 +242,7 @@ def test_ddp_and_zero1_match_one_process(tmp_path):
     assert (r["ddp"]["optimizer"], r["zero1"]["optimizer"], r["zero1"]["local"]) == (
         "MasterAdamW", "ZeroMasterAdamW", "MasterAdamW")
     for name in DIST_RUNS:
-        assert r[name]["accum"] == 2 and r[name]["losses"][0] == single[0], name
+        assert r[name]["accum"] == 2 and r[name]["losses"][0] == pytest.approx(single[0], rel=1e-6), name  # fp32 sums
         assert r[name]["losses"] == pytest.approx(single, rel=3e-4), name
     assert r["ddp"]["stale"] == r["zero1"]["stale"] == 0  # every rank's copies follow the masters
     assert r["zero1"]["losses"] == pytest.approx(r["ddp"]["losses"], rel=1e-6)

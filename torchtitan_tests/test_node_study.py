@@ -170,7 +170,7 @@ def test_node_study_end_to_end_on_cpu(tmp_path):
     assert "predicted" not in rows["llama_2gpu_ddp_load"] and "predicted" not in rows["llama_2gpu_ddp_p2p"]
     assert rows["llama_2gpu_ddp"]["predicted"] is None  # predict-only covers the study's runs, not the pairs' ddp
     assert rows["llama_2gpu_ddp_load"]["load"]["ran_to_the_end"] and rows["llama_2gpu_ddp_load"]["load"]["gone"]
-    kinds = {"healthy", "compute_stall", "straggler", "communication", "host_overhead", "data_stall"}
+    kinds = {"healthy", "scaling_loss", "compute_stall", "straggler", "communication", "host_overhead", "data_stall"}
     d = {x["name"]: x for x in data["diagnoses"]}
     assert list(d) == ["llama", "load_ddp", "p2p_ddp"] and all(x["verdict"] in kinds for x in d.values())
     assert [g for g, _ in d["llama"]["efficiency"]] == [1, 2] and d["load_ddp"]["gpus"] == [2, 2]
