@@ -642,7 +642,9 @@ def test_multinode_resume_across_world_sizes_on_cpu(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     data = json.loads((tmp_path / "multinode_resume.json").read_text())
-    assert data["ok"] and data["spread"] == 0.0
+    # the two layouts average the loss in another order (each rank's mean, then the ranks'; or one mean):
+    # the same to the last bit of a float32 loss
+    assert data["ok"] and data["spread"] <= 1e-6
     table = (tmp_path / "multinode_resume.md").read_text()
     assert "data stream at position 20): 2 -> 1 True, 1 -> 2 True" in table
     assert "| 6 | " in table and "| 10 | " in table
