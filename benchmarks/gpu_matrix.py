@@ -179,20 +179,23 @@ def predict(ngpus: int, hardware: str, out: Path, workers: int, only: list[str])
 
 # ----------------------------------------------------------------------------------------------- run
 class Gpus:
-    """This host's GPUs handed out to rows that run side by side."""
+    """This host's GPUs handed out to rows that run side by side: `slots` lists each GPU as often as rows
+    may share it; a row takes distinct GPUs."""
 
-    def __init__(self, n: int):
-        self.free, self.cv = list(range(n)), threading.Condition()
+    def __init__(self, slots: list[int]):
+        self.free, self.cv = list(slots), threading.Condition()
 
     def take(self, k: int) -> list[int]:
         with self.cv:
-            self.cv.wait_for(lambda: len(self.free) >= k)
-            got, self.free = self.free[:k], self.free[k:]
+            self.cv.wait_for(lambda: len(set(self.free)) >= k)
+            got = sorted(set(self.free))[:k]
+            for g in got:
+                self.free.remove(g)
             return got
 
     def give(self, ids: list[int]) -> None:
         with self.cv:
-            self.free = sorted(self.free + ids)
+            self.free += ids
             self.cv.notify_all()
 
 
@@ -270,7 +273,7 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
                             text=True).stdout.strip() or "unknown"
     names = launch.gpu_names()
     device = f"{len(names)} x {names[0]}" if names else "no GPU"
-    gpus, t0 = Gpus(ngpus), time.time()
+    gpus, t0 = Gpus(list(range(ngpus))), time.time()
     # the widest rows first, so that one-GPU rows fill the gaps beside them
     order = sorted(rows, key=lambda r: (r["expect"] != "train", r["mode"] == "one", not r["compile"]))
     with futures.ThreadPoolExecutor(max(ngpus, 1) + 2) as pool:
@@ -327,11 +330,10 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str) -> dict:
 
 def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str]) -> int:
     """The float8 rows against their bf16 runs; each GPU runs up to `slots` rows at once (small model)."""
-    gpus, t0 = Gpus(ngpus * slots), time.time()
-    gpus.free = [i % ngpus for i in range(ngpus * slots)]  # each GPU listed `slots` times
+    gpus, t0 = Gpus(list(range(ngpus)) * slots), time.time()
     rows = [r for r in sweep_rows() if not only or any(o in "sweep_" + label(r) for o in only)]
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
-        results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, _Distinct(gpus), data)), rows))
+        results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, gpus, data)), rows))
     ref = {(r["mode"], r["accum"]): r["tail"] for r in results if r["precision"] == "bf16"}
     lines = [f"float8 under fsdp/hsdp against bf16, LLaMA 134M, {SWEEP_STEPS} steps on real text, "
              f"{time.time() - t0:.0f} s", "", "| run | result | mean loss, last 10 steps | vs bf16 | s |",
@@ -351,24 +353,6 @@ def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str]) -> int:
     (out / "float8_sweep.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(text)
     return 0 if all(r["passed"] for r in results) else 1
-
-
-class _Distinct:
-    """A view of a Gpus pool whose entries repeat GPU ids: a row takes distinct GPUs."""
-
-    def __init__(self, pool: Gpus):
-        self.pool = pool
-
-    def take(self, k: int) -> list[int]:
-        with self.pool.cv:
-            self.pool.cv.wait_for(lambda: len(set(self.pool.free)) >= k)
-            got = sorted(set(self.pool.free))[:k]
-            for g in got:
-                self.pool.free.remove(g)
-            return got
-
-    def give(self, ids: list[int]) -> None:
-        self.pool.give(ids)
 
 
 def main() -> int:

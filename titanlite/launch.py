@@ -20,9 +20,9 @@ What run_train.sh runs once it has chosen the processes (one process when no tor
    SIGTERM or SIGINT is passed on to the ranks, which save and exit 0 (`Ranks`).
 
 Without a memory check to run (no GPU, a GPU the table lacks, training.memory_fit=off) the job takes
-this process over; with one, this process waits for the job and relays its exit code. Ctrl-C reaches
-this process and the agent from the terminal (torchrun starts the ranks in sessions of their own:
-the agent passes it on); SIGTERM sent here is passed on to the job.
+this process over; with one, this process waits for the job and relays its exit code. A Ctrl-C at the
+terminal reaches this process and torchrun's agent, which passes it on to the ranks (they run in
+sessions of their own); SIGTERM sent here is passed on to the job.
 """
 
 from __future__ import annotations
