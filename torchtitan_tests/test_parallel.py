@@ -417,8 +417,16 @@ def _fsdp_float8_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 held.append([type(local) is torch.Tensor and local.data_ptr() != 0, reaches,
                              all(type(x) is torch.Tensor and x.data_ptr() != 0 for x in state)])
             t.train()
+            # the scales the post-step hook set for the next all-gather, against torchao's own precompute
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            weights = [p for p in t.model.parameters() if hasattr(p._local_tensor, "_precomputed_scale")]
+            ours = [p._local_tensor._precomputed_scale for p in weights]
+            precompute_float8_dynamic_scale_for_fsdp(t.model)
+            theirs = [p._local_tensor._precomputed_scale for p in weights]
             if rank == 0:
-                results[fused] = {"held": held, "losses": step_losses(t), "optimizer": type(t.optimizer).__name__}
+                results[fused] = {"held": held, "losses": step_losses(t), "optimizer": type(t.optimizer).__name__,
+                                  "scales": [len(weights), all(a is not None and torch.equal(a, b)
+                                                               for a, b in zip(ours, theirs))]}
 
 
 def test_fsdp_float8_weights_reach_the_fused_update_as_plain_tensors(tmp_path):
@@ -426,11 +434,14 @@ def test_fsdp_float8_weights_reach_the_fused_update_as_plain_tensors(tmp_path):
     storage (data_ptr() 0): the fused update kernel, which takes addresses, must get the tensor inside it,
     and writing there updates the parameter. The fused optimizer (its eager path here) then trains as
     torch's unfused AdamW does (to 1e-3: the two clip and update in different orders, and float8's
-    rounding of the weights carries a last-bit difference on into the next step's loss)."""
+    rounding of the weights carries a last-bit difference on into the next step's loss). The scales set
+    after each step for the next float8 all-gather are torchao's."""
     mp.spawn(_fsdp_float8_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r = json.load(open(tmp_path / "results.json"))
     assert r["true"]["optimizer"] == "MasterAdamW" and r["false"]["optimizer"] != "MasterAdamW"
     assert all(all(h) for h in r["true"]["held"]), r["true"]["held"]
+    # titanlite's scale precompute (one all-reduce over plain shards) sets what torchao's would, every weight
+    assert r["true"]["scales"][0] > 0 and r["true"]["scales"][1] and r["false"]["scales"][1]
     assert torch.allclose(torch.tensor(r["true"]["losses"]), torch.tensor(r["false"]["losses"]), rtol=1e-3)
 
 

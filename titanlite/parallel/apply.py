@@ -14,9 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -27,7 +29,7 @@ from titanlite.ops.master_linear import MasterWeights
 from titanlite.parallel.ddp import apply_ddp
 from titanlite.parallel.dims import ParallelDims
 from titanlite.parallel.fsdp import apply_fsdp
-from titanlite.parallel.grads import is_fsdp
+from titanlite.parallel.grads import is_fsdp, local_tensor
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import bf16_copies
 from titanlite.parallel.settings import (ActivationCheckpointSettings, CompileSettings, Float8Settings,
@@ -74,9 +76,41 @@ def float8_scale_hook(model: nn.Module, f8: Float8Settings):
     per weight inside the next forward; None where there is nothing to do."""
     if not (f8.enable and f8.recipe == "tensorwise" and is_fsdp(model)):
         return None
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # torchao: float8 runs only (above)
+    from torchao.float8.float8_linear import Float8Linear  # torchao: float8 runs only (above)
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    return lambda optimizer, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model)
+    weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)
+               and isinstance(local := getattr(m.weight, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+               and hasattr(local, "_precomputed_scale")]
+    if not weights:
+        return None
+    target = {m.config.cast_config_weight.target_dtype for m in model.modules() if isinstance(m, Float8Linear)}
+    (dtype,) = target
+    mesh = weights[0].device_mesh  # fsdp: Shard(0); hsdp: Replicate, Shard(0): the maximum is over the shards
+    groups = [mesh.get_group(dim) for dim, placement in enumerate(weights[0].placements) if placement.is_shard()]
+    return lambda optimizer, args, kwargs: precompute_float8_scales(weights, dtype, groups)
+
+
+@torch.no_grad()
+def precompute_float8_scales(weights: list, dtype: torch.dtype, groups: list) -> None:
+    """Set each FSDP float8 weight's tensorwise scale (finfo(dtype).max over the weight's absolute
+    maximum; `weights`: FSDP's DTensor parameters, sharded over the process groups `groups`) for its next
+    all-gather, which then casts the shard with it instead of reducing its own maximum. torchao's float8
+    weight wrapper reads it from `_precomputed_scale`, the attribute torchao's own
+    precompute_float8_dynamic_scale_for_fsdp writes; this computes the same numbers (bf16 maxima, one
+    all-reduce over the shard dimension of the mesh, the division in float64) on the plain local shards,
+    where torchao's goes through DTensor dispatch op by op, host time at every step."""
+    from torchao.float8.float8_utils import EPS
+
+    shards = [local_tensor(w) for w in weights]
+    present = [t for t in shards if t.numel()]  # an uneven split can leave a rank an empty shard
+    maxima = iter(torch._foreach_norm(present, ord=math.inf) if present else ())
+    amax = torch.stack([next(maxima) if t.numel() else t.new_zeros(()) for t in shards])
+    for group in groups:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scales = (torch.finfo(dtype).max / amax.clamp(EPS).double()).float()
+    for w, scale in zip(weights, scales.unbind()):
+        w._local_tensor._precomputed_scale = scale
 
 
 # ------------------------------------------------------------------------- activation checkpointing
