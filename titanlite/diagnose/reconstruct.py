@@ -425,8 +425,8 @@ def choose(facts: list[Facts], tol: float, suspect_share: float) -> tuple[list[E
     return chosen, same
 
 
-# MFU on the dense bf16 peak that training runs of these models reach (docs/performance.md: LLaMA 1.36B
-# compiled at 45-57% on H100s and H200s, 72% with float8; eager at 35%). Among readings that fit a log
+# MFU on the dense bf16 peak that training runs of these models reach, wide around what docs/performance.md's
+# tables measure (compiled, eager, float8). Among readings that fit a log
 # equally well, one implying MFU inside this band is the likelier. By the log's compile setting; not logged: either.
 TYPICAL_MFU = {True: (0.30, 0.75), False: (0.15, 0.60), None: (0.15, 0.75)}
 TYPICAL_MARGIN = 0.02  # readings whose distance from the band differs by less than this rank the same
