@@ -410,10 +410,11 @@ def parse_peer(text: str) -> list[dict]:
 
 
 def peer(version: str, ngpus: int = 1, overrides: list[str] | None = None, timeout: int = 600, work: Path = WORK,
-         name: str = "") -> Result:
+         name: str = "", env: dict | None = None) -> Result:
     """One torchtitan run through its run.sh (which installs the carried wheels); its step lines parsed.
     run.sh passes on only its step and error lines; each rank's whole output, as torchtitan printed it
-    (colours included), is kept by torchrun in WORK/<name>.ranks/ (peer_ranks_output reads it)."""
+    (colours included), is kept by torchrun in WORK/<name>.ranks/ (peer_ranks_output reads it). `env` is
+    added to the run's environment."""
     script = ROOT / PEERS[version]
     name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", f"torchtitan_{version}_{ngpus}gpu_{'_'.join(overrides or [])}")[:120]
     cmd = ["bash", str(script), str(ngpus), *(overrides or [])]
@@ -423,7 +424,7 @@ def peer(version: str, ngpus: int = 1, overrides: list[str] | None = None, timeo
     ranks = work / f"{name}.ranks"
     shutil.rmtree(ranks, ignore_errors=True)
     # torchrun takes each option from PET_<OPTION> when the command line does not give it: its --log-dir
-    rc, text, wall = execute(name, cmd, timeout, work, env={"PET_LOG_DIR": str(ranks)})
+    rc, text, wall = execute(name, cmd, timeout, work, env={**(env or {}), "PET_LOG_DIR": str(ranks)})
     entries = parse_peer(text)
     # run.sh ends in a pipe (grep | tail) and exits 0 whatever torchtitan did: its output decides
     exc = last_exception(text)

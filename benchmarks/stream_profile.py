@@ -1,18 +1,23 @@
 """Where a (multi-GPU) training step's GPU time goes, stream by stream.
 
-    python benchmarks/stream_profile.py --ngpus 4 \\
+    python benchmarks/stream_profile.py --ngpus 4 [--out DIR] [--timeout S] \\
         --job.config_file train_configs/llama_1.36b_h100.toml --training.dataset synthetic \\
         --parallelism.data_parallel fsdp [any training option]
 
 --ngpus N starts the profile on N GPUs through benchmarks/launch.py (torchrun, the benchmarks'
-environment, a timeout) and prints the reports; without it the script profiles the process it runs in.
+environment, killed with every worker after --timeout seconds, 900 unless given) and prints the
+reports; without it the script profiles the process it runs in. --out DIR: the reports also go to
+DIR/stream_profile.md.
 
 After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 more (CUDA activity
 only) and prints, for the first and the last rank:
-- the compute stream (the one with the most GEMM time): its kernel time per step by category (by
-  kernel name: "triton f8 cast" is any Triton kernel with a cast or amax fused in), and its idle
-  time, with the part of it spent while communication ran on another stream (exposed
-  communication). Communication = NCCL kernels, plus copies on other streams (copy-engine
+- the compute stream (the one with the most GEMM time): a table of its step in ms by kernel category
+  (CATEGORIES, by kernel name: GEMMs in bf16 and in float8 (cuBLAS's _scaled_mm kernels, named with
+  e4m3/e5m2), attention forward and backward (cuDNN, flash, mem-efficient, FlexAttention), Inductor's
+  Triton kernels ("triton f8 cast": one with a float8 cast or amax fused in), ATen's element-wise
+  kernels, MasterAdamW's Triton update, foreach kernels, FSDP's copies, NCCL), each with its longest
+  kernel, and its idle time, with the part of it spent while communication ran on another stream
+  (exposed communication). Communication = NCCL kernels, plus copies on other streams (copy-engine
   collectives; host-to-device batch uploads are counted too, they are small);
 - how long each runs per step, and how much compute-kernel time overlaps them: the same GEMMs
   taking longer here than in a one-GPU run is the cost of sharing SMs and memory with the
@@ -32,27 +37,43 @@ import sys
 import time
 
 
+# Kernel name fragments (lower case). Inductor names a generated kernel (triton_poi_/red_/per_) after the ATen ops
+# fused into it, which can include _scaled_mm or the attention op: those are matched as Triton before any GEMM or
+# attention name. Triton templates (triton_tem_) are FlexAttention or autotuned GEMMs.
+GENERATED = ("triton_poi_", "triton_red_", "triton_per_")
+F8_CAST = ("scaled_mm", "abs", "clamp")  # torchao's float8 casts and amax reductions, fused into Inductor's kernels
+ATTENTION = ("cudnn", "flash", "fmha", "flex_attention")
+BACKWARD = ("bprop", "bwd", "backward", "cutlassb")  # cuDNN's bprop, flash-attn's bwd, mem-efficient's fmha_cutlassB
+FLOAT8_GEMM = ("e4m3", "e5m2", "fp8", "f8f8")  # cuBLAS's _scaled_mm kernels carry their operand types
+GEMM = ("nvjet", "gemm", "cutlass", "xmma", "cublas", "triton_tem_")
+CATEGORIES = ("gemm bf16", "gemm float8", "attention fwd", "attention bwd", "triton", "triton f8 cast",
+              "elementwise (aten)", "optimizer (MasterAdamW)", "foreach", "fsdp copy", "nccl", "memcpy", "memset",
+              "other")
+
+
 def category(name: str) -> str:
+    """The kernel's category, one of CATEGORIES, by its name."""
     low = name.lower()
     if "nccl" in low:
         return "nccl"
-    if "cudnn" in low or "flash" in low or "fmha" in low:
-        return "attention"
+    if "master_adamw" in low:  # titanlite/ops/master_adamw.py's Triton kernels: _master_adamw_kernel, _many_kernel
+        return "optimizer (MasterAdamW)"
+    if low.startswith(GENERATED) or ("triton" in low and not low.startswith("triton_tem_")):
+        return "triton f8 cast" if any(f in low for f in F8_CAST) else "triton"
+    if any(f in low for f in ATTENTION):
+        return "attention bwd" if any(f in low for f in BACKWARD) else "attention fwd"
     if "split_with_sizes_copy" in low or "chunk_cat" in low:
         return "fsdp copy"
-    if "triton" in low:
-        # torchao's float8 casts and amax reductions fuse into Inductor's kernels
-        return "triton f8 cast" if ("scaled_mm" in low or "abs" in low or "clamp" in low) else "triton"
-    if "nvjet" in low or "gemm" in low or "cutlass" in low or "xmma" in low:
-        return "gemm"
-    if "master_adamw" in low:
-        return "optimizer (MasterAdamW)"
-    if "multi_tensor" in low:
+    if any(f in low for f in GEMM):
+        return "gemm float8" if any(f in low for f in FLOAT8_GEMM) else "gemm bf16"
+    if "multi_tensor" in low or "foreach" in low:
         return "foreach"
     if "memcpy" in low:
         return "memcpy"
     if "memset" in low:
         return "memset"
+    if "at::native" in low or "elementwise" in low or "reduce_kernel" in low:
+        return "elementwise (aten)"
     return "other"
 
 
@@ -75,7 +96,7 @@ def analyse(events: list[dict], steps: float) -> dict:
     by_stream = collections.defaultdict(list)
     for e in kernels:
         by_stream[e["args"].get("stream", -1)].append(e)
-    gemm = {s: sum(e["dur"] for e in es if category(e["name"]) == "gemm") for s, es in by_stream.items()}
+    gemm = {s: sum(e["dur"] for e in es if category(e["name"]).startswith("gemm")) for s, es in by_stream.items()}
     cs = max(gemm, key=gemm.get)
     comp = sorted(by_stream[cs], key=lambda e: e["ts"])
     t0, t1 = comp[0]["ts"], max(e["ts"] + e["dur"] for e in comp)
@@ -87,9 +108,10 @@ def analyse(events: list[dict], steps: float) -> dict:
     # copies on other streams: copy-engine collectives (fsdp_copy_engine_all_gather), batch uploads
     copies = spans(lambda e: e.get("cat") == "gpu_memcpy")
     comm = sorted(nccl + copies)
-    cats = collections.Counter()
+    cats, names = collections.Counter(), collections.defaultdict(collections.Counter)
     for e in comp:
         cats[category(e["name"])] += e["dur"]
+        names[category(e["name"])][e["name"]] += e["dur"]
     idle = idle_comm = overlap = 0.0
     end, before = t0, comp[0]
     gaps = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])  # (previous kernel, next) -> us, n, beside
@@ -124,6 +146,8 @@ def analyse(events: list[dict], steps: float) -> dict:
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
             "idle": idle / ms, "idle_during_comm": idle_comm / ms, "nccl_active": active(nccl),
             "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others,
+            # each category's longest kernel on the compute stream (ms per step): what a category holds
+            "top_kernel": {c: (n.most_common(1)[0][0], n.most_common(1)[0][1] / ms) for c, n in names.items()},
             # the idle gaps longer than GAP_FLOOR_US, by the kernels either side, longest first: ms and count per
             # step, and what the other streams ran meanwhile (ms per step by category)
             "gaps": [{"prev_kernel": k[0], "next_kernel": k[1], "ms": us / ms, "per_step": n / steps,
@@ -137,7 +161,7 @@ def report(r: dict, title: str) -> str:
              f"idle {r['idle']:.1f} (while communication runs: {r['idle_during_comm']:.1f}); NCCL kernels active "
              f"{r['nccl_active']:.1f}, copies on other streams {r['copies_active']:.1f}, compute kernels "
              f"overlapping either {r['compute_overlapping_comm']:.1f}"]
-    lines += [f"   {k:<26} {v:7.2f} ms" for k, v in r["busy"].items()]
+    lines += ["", step_table(r), ""]
     lines += [f"   stream {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()) for s, c in r["other_streams"].items()]
     for g in r["gaps"][:GAPS_SHOWN]:
         beside = ", ".join(f"{k} {v:.2f}" for k, v in g["beside"].items()) or "nothing"
@@ -146,31 +170,69 @@ def report(r: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def step_table(r: dict) -> str:
+    """Markdown: the compute stream's step, ms per step by kernel category (CATEGORIES' order) and its idle time,
+    each with its share of the step (the stream's span) and the category's longest kernel."""
+    span = r["span"] or float("nan")
+    lines = ["| compute stream, per step | ms | % of step | longest kernel (ms) |", "|---|---|---|---|"]
+    for c in [*CATEGORIES, *sorted(set(r["busy"]) - set(CATEGORIES))]:
+        if c in r["busy"]:
+            name, ms = r.get("top_kernel", {}).get(c, ("", 0.0))
+            lines.append(f"| {c} | {r['busy'][c]:.2f} | {100 * r['busy'][c] / span:.1f} | {name[:70]} ({ms:.2f}) |")
+    for label, ms in (("idle while communication runs", r["idle_during_comm"]),
+                      ("idle otherwise", r["idle"] - r["idle_during_comm"])):
+        lines.append(f"| {label} | {ms:.2f} | {100 * ms / span:.1f} | |")
+    lines.append(f"| step (the stream's span) | {r['span']:.2f} | 100.0 | |")
+    return "\n".join(lines)
+
+
 def _short(name: str) -> str:
     return f"{category(name)}:{name[:40]}"
 
 
-def launch_and_report(ngpus: int, args: list[str]) -> int:
-    """Run this script on `ngpus` GPUs through the benchmark launcher; print its reports."""
+OWN = {"--ngpus": 0, "--out": "", "--timeout": 900}  # this script's options, before the training options
+
+
+def own_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """The leading --ngpus N, --out DIR, --timeout S (any order, `--x v` or `--x=v`) and the training options
+    after them. A bad value is one line on stderr and exit 2."""
+    opts, i = dict(OWN), 0
+    while i < len(argv) and argv[i].split("=", 1)[0] in OWN:
+        name, eq, value = argv[i].partition("=")
+        if not eq:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
+        i += 1
+        if name != "--out" and not (value.isdigit() and int(value) > 0):
+            print(f"stream_profile: {name} takes a positive integer", file=sys.stderr)
+            sys.exit(2)
+        opts[name] = value if name == "--out" else int(value)
+    return opts, argv[i:]
+
+
+def launch_and_report(ngpus: int, args: list[str], out: str = "", timeout: int = 900) -> int:
+    """Run this script on `ngpus` GPUs through the benchmark launcher (its run killed at `timeout` s, every
+    worker with it); print its reports, and write them to OUT/stream_profile.md."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import launch
 
-    rc, text, _ = launch.execute("stream_profile", launch.command(ngpus, [os.path.abspath(__file__), *args]), 900)
+    rc, text, _ = launch.execute("stream_profile", launch.command(ngpus, [os.path.abspath(__file__), *args]), timeout)
     lines = text.splitlines()
     first = next((i for i, ln in enumerate(lines) if ln.startswith("== rank")), len(lines))
     print("\n".join(lines[first:]))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "stream_profile.md"), "w") as fh:
+            fh.write(f"stream_profile.py --ngpus {ngpus} {' '.join(args)}\n\n" + "\n".join(lines[first:]) + "\n")
     if rc != 0:
-        print(f"stream_profile: {launch.error_line(text, rc, 900)} (whole output: {launch.WORK / 'stream_profile.log'})",
+        print(f"stream_profile: {launch.error_line(text, rc, timeout)} (whole output: {launch.WORK / 'stream_profile.log'})",
               file=sys.stderr)
     return 0 if rc == 0 else 1
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--ngpus"] and "LOCAL_RANK" not in os.environ:
-        if len(sys.argv) < 3 or not sys.argv[2].isdigit() or int(sys.argv[2]) < 1:
-            print("stream_profile: --ngpus takes a positive integer", file=sys.stderr)
-            sys.exit(2)
-        sys.exit(launch_and_report(int(sys.argv[2]), sys.argv[3:]))
+    opts, args = own_options(sys.argv[1:])
+    if opts["--ngpus"] and "LOCAL_RANK" not in os.environ:
+        sys.exit(launch_and_report(opts["--ngpus"], args, opts["--out"], opts["--timeout"]))
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -180,7 +242,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("stream_profile: needs a CUDA GPU (it reads kernel timelines)", file=sys.stderr)
         sys.exit(2)
-    cfg = load_config(sys.argv[1:])
+    cfg = load_config(args)
     trainer = Trainer(cfg)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     for _ in range(8):
@@ -204,8 +266,13 @@ def main() -> None:
         tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.grad_accum
         with open(path) as fh:
             r = analyse(json.load(fh)["traceEvents"], steps)
-        print(report(r, f"rank {rank}/{world}: {step_ms:.1f} ms/step without the profiler "
-                        f"({tokens / step_ms * 1000:,.0f} tok/s per GPU); trace {path}"), flush=True)
+        text = report(r, f"rank {rank}/{world}: {step_ms:.1f} ms/step without the profiler "
+                         f"({tokens / step_ms * 1000:,.0f} tok/s per GPU); trace {path}")
+        print(text, flush=True)
+        if opts["--out"] and world == 1:  # under torchrun, the launching process writes the ranks' reports
+            os.makedirs(opts["--out"], exist_ok=True)
+            with open(os.path.join(opts["--out"], "stream_profile.md"), "w") as fh:
+                fh.write(text + "\n")
     trainer.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

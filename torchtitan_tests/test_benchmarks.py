@@ -743,3 +743,234 @@ def test_float8_sweep_pairs_every_float8_run_with_its_bf16_run():
                   for a in ("none", "selective", "full") for n in (1, 2)}
     assert {(r["mode"], r["accum"]) for r in rows if r["precision"] == "bf16"} == {(m, n) for m, _, _, n in f8}
     assert all(gpu_matrix.refusal(r, 4) is None for r in rows)
+
+
+# ---------------------------------------------------------------------------------- float8_fsdp.py
+EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0", "--extra=--model.attention_backend sdpa",
+           "--extra-at", "bf16", "--steps", "12", "--skip", "6"]
+
+
+def float8_fsdp():
+    import float8_fsdp as f
+
+    return f
+
+
+def steady_run(name, tps, mem=None, reserved=50.0, error=None):
+    """A launched run whose log steps after 6 run at `tps` tokens/s per GPU (step 5 is warm-up)."""
+    es = [{"iter": i, "tokens_per_sec_per_gpu": 1.0 if i == 5 else tps, "mfu": 50.0, "memory_peak_gb": mem,
+           "memory_reserved_peak_gb": reserved} for i in (5, 10, 12)]
+    return launch.Result(name, 4, [], 0 if error is None else 1, 60.0, error, [] if error else es)
+
+
+def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
+    """The 8B call's rows, in the order they run: titanlite bf16 and float8; each torchtitan version in both
+    (0.3.0's float8 a row saying why it does not run); the --extra variant at bf16 only."""
+    f = float8_fsdp()
+    a = f.parse_args(EIGHT_B)
+    rows = f.plan(a)
+    assert [(r.label, r.batch) for r in rows] == [
+        ("titanlite bf16", 2), ("titanlite float8", 2), ("torchtitan 0.2.2 bf16", 2), ("torchtitan 0.2.2 float8", 2),
+        ("torchtitan 0.3.0 bf16", 2), ("torchtitan 0.3.0 float8", 2),
+        ("titanlite bf16 +model.attention_backend sdpa", 2)]
+    by = {r.label: r for r in rows}
+    assert by["titanlite float8"].args == ["--training.local_batch_size", "2", "--float8.enable"]
+    assert by["titanlite bf16 +model.attention_backend sdpa"].args[-2:] == ["--model.attention_backend", "sdpa"]
+    assert f.options(a, by["titanlite bf16"])[-6:] == ["--model.name", "llama", "--model.flavor", "8B",
+                                                       "--training.local_batch_size", "2"]
+    peer = by["torchtitan 0.2.2 float8"].args
+    assert peer[:2] == ["--model.flavor", "8B"] and peer[-len(f.PEER_FLOAT8):] == f.PEER_FLOAT8
+    assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" not in by["torchtitan 0.2.2 bf16"].args
+    tt3 = by["torchtitan 0.3.0 bf16"]
+    assert tt3.args[:4] == ["--module", "tt3_configs", "--config", "bf16"] and "8192" in tt3.args
+    assert tt3.env == {"TT3_BENCH_FLAVOR": "8B", "TT3_BENCH_AC": "none"}
+    assert by["torchtitan 0.3.0 float8"].why.startswith("not run: 0.3.0's float8 is rowwise only")
+    # --tt3-rowwise: 0.3.0's own float8 as a row of its own; --float8-only: float8 rows alone; --unfused at the first batch
+    rows = f.plan(f.parse_args([*EIGHT_B, "--tt3-rowwise"]))
+    assert [r.args[3] for r in rows if r.label == "torchtitan 0.3.0 float8 rowwise"] == ["float8_rowwise"]
+    rows = f.plan(f.parse_args(["--batches", "4,16", "--float8-only", "--unfused", "--peers", ""]))
+    assert [(r.label, r.batch) for r in rows] == [("titanlite float8", 4), ("titanlite float8 unfused", 4),
+                                                  ("titanlite float8", 16)]
+
+
+@pytest.mark.parametrize("argv", [["--precisions", "fp16"], ["--peers", "0.1"], ["--batches", "2,x"],
+                                  ["--extra-at", "int8"], ["--tt3-rowwise"], ["--steps", "6", "--skip", "6"],
+                                  ["--predictions", "/no/such.json"], ["--predict", "--predictions", "x.json"]])
+def test_float8_fsdp_refuses_bad_input_in_one_line(argv):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float8_fsdp.py"), *argv], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_float8_fsdp_table_ratios_in_the_same_precision_and_predictions_beside_each_row():
+    f = float8_fsdp()
+    a = f.parse_args(EIGHT_B)
+    rows = f.plan(a)
+    measured = {"titanlite bf16": (10_000.0, 100.0), "titanlite float8": (14_000.0, 80.0),
+                "torchtitan 0.2.2 bf16": (8_000.0, None), "torchtitan 0.2.2 float8": (14_000.0, None),
+                "torchtitan 0.3.0 bf16": (9_000.0, None),
+                "titanlite bf16 +model.attention_backend sdpa": (9_000.0, 95.0)}
+    for r in rows:
+        if r.label in measured:
+            r.result = steady_run(r.label, *measured[r.label])
+    opts = {id(r): f.options(a, r) for r in rows if r.lib == "titanlite"}
+    pred = {"ngpus": 4, "predictions": {
+        f.key(rows[0]): {"options": opts[id(rows[0])], "tokens_per_sec_per_gpu": 10_500.0, "peak_gib": 99.0},
+        f.key(rows[1]): {"options": ["--other"], "tokens_per_sec_per_gpu": 1.0, "peak_gib": 1.0}}}
+    by = {r["run"]: r for r in md_tables(f.table(rows, a.versions, a.skip, pred, opts))[0]}
+    ours = by["titanlite bf16"]
+    assert (ours["vs 0.2.2"], ours["vs 0.3.0"]) == ("1.250", "1.111")  # against each version's bf16
+    assert ours["predicted tok/s (err %)"] == "10,500 (+5.0)" and ours["predicted GiB (err %)"] == "99.00 (-1.0)"
+    assert ours["vs best titanlite bf16"] == "-" and ours["alloc GiB"] == "100.00" and ours["rsrvd GiB"] == "50.00"
+    f8 = by["titanlite float8"]
+    assert (f8["vs 0.2.2"], f8["vs 0.3.0"], f8["vs best titanlite bf16"]) == ("1.000", "-", "1.400")
+    assert f8["predicted tok/s (err %)"] == "-" and f8["note"] == "predicted for other options"
+    sdpa = by["titanlite bf16 +model.attention_backend sdpa"]
+    assert sdpa["vs 0.2.2"] == "1.125" and sdpa["note"] == "no prediction for this row"
+    assert by["torchtitan 0.3.0 float8"]["note"].startswith("not run: 0.3.0's float8 is rowwise only")
+    assert by["torchtitan 0.2.2 bf16"]["vs 0.2.2"] == "-" and by["torchtitan 0.2.2 bf16"]["predicted tok/s (err %)"] == "-"
+    # the rows by precision: bf16 (titanlite, 0.2.2, 0.3.0, the variant), then float8
+    assert list(by) == ["titanlite bf16", "titanlite bf16 +model.attention_backend sdpa", "torchtitan 0.2.2 bf16",
+                        "torchtitan 0.3.0 bf16", "titanlite float8", "torchtitan 0.2.2 float8", "torchtitan 0.3.0 float8"]
+
+
+def test_float8_fsdp_budget_cuts_the_last_rows_and_writes_after_every_row(tmp_path, monkeypatch):
+    """Under --budget a row that would not finish in what is left (the longest of its library so far, or
+    FIRST_ROW_S) is a row saying so; each run gets at most what is left; the files are there after each row."""
+    f = float8_fsdp()
+    clock = [0.0]
+    monkeypatch.setattr(f.time, "time", lambda: clock[0])
+    seen = []
+
+    def fake_run(a, row):
+        seen.append((row.label, f.row_timeout(a, row)))
+        assert (tmp_path / "float8_fsdp.md").exists() == (len(seen) > 1)
+        r = steady_run(row.label, 1000.0, 10.0)
+        r.wall_s = 100.0 if row.lib == "titanlite" else 150.0
+        clock[0] += r.wall_s
+        return r
+
+    monkeypatch.setattr(f, "run", fake_run)
+    assert f.main([*EIGHT_B, "--budget", "400", "--timeout", "300", "--out", str(tmp_path)]) == 0
+    assert seen == [("titanlite bf16", 300), ("titanlite float8", 300), ("torchtitan 0.2.2 bf16", 200)]
+    notes = {r["run"]: r["note"] for r in md_tables((tmp_path / "float8_fsdp.md").read_text())[0]}
+    assert notes["torchtitan 0.2.2 float8"] == "not run: 50 s of --budget left, a row takes about 150"
+    assert notes["titanlite bf16 +model.attention_backend sdpa"].startswith("not run: 50 s of --budget left")
+    saved = json.loads((tmp_path / "float8_fsdp.json").read_text())
+    assert [r["label"] for r in saved["rows"] if r["run"]] == [s for s, _ in seen]
+
+
+def test_float8_fsdp_predict_writes_what_the_table_reads(tmp_path, monkeypatch):
+    """--predict: node_study's estimate helper for each titanlite row, with its options, the GPU count and
+    GPU; the table finds each prediction by the same key and options."""
+    import node_study
+
+    f = float8_fsdp()
+    calls = []
+    monkeypatch.setattr(node_study, "predict", lambda options, k, gpu, timeout: calls.append((options, k, gpu)) or
+                        {"options": options, "tokens_per_sec_per_gpu": 100.0, "peak_gib": 9.0})
+    out = tmp_path / "p.json"
+    assert f.main([*EIGHT_B, "--predict", "--hardware", "h200", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert (saved["ngpus"], saved["hardware"]) == (4, "h200") and len(calls) == 3
+    assert list(saved["predictions"]) == ["titanlite bf16 | b2", "titanlite float8 | b2",
+                                          "titanlite bf16 +model.attention_backend sdpa | b2"]
+    a = f.parse_args([*EIGHT_B, "--predictions", str(out)])
+    rows = f.plan(a)
+    opts = {id(r): f.options(a, r) for r in rows if r.lib == "titanlite"}
+    assert all(calls[i][0] == opts[id(r)] and calls[i][1:] == (4, "h200")
+               for i, r in enumerate(r for r in rows if r.lib == "titanlite"))
+    table = md_tables(f.table(rows, a.versions, a.skip, a.pred, opts))[0]
+    assert {r["note"] for r in table if r["run"].startswith("titanlite")} == {"not run"}  # predictions found, nothing ran
+
+
+def test_committed_8b_predictions_are_for_the_8b_calls_rows():
+    """benchmarks/results/float8_fsdp_predictions_8b_4xh200.json holds an estimate for each titanlite row of
+    the 8B call, made for the options that row trains with."""
+    f = float8_fsdp()
+    path = ROOT / "benchmarks" / "results" / "float8_fsdp_predictions_8b_4xh200.json"
+    a = f.parse_args([*EIGHT_B, "--predictions", str(path)])
+    assert (a.pred["ngpus"], a.pred["hardware"]) == (4, "h200")
+    for r in f.plan(a):
+        if r.lib == "titanlite":
+            p = a.pred["predictions"][f.key(r)]
+            assert p["options"] == f.options(a, r) and p["tokens_per_sec_per_gpu"] > 0 and p["peak_gib"] > 0
+
+
+def test_tt3_runs_get_their_config_module_and_long_documents(monkeypatch, tmp_path):
+    """0.3.0's rows: tt3_configs.py on run.sh's PYTHONPATH (TT3_SITE) before run.sh starts, the flavor and AC
+    in the run's environment, and (--tt3-data long) c4_test joined into long documents as its dataset path."""
+    f = float8_fsdp()
+    c4 = tmp_path / "c4.json"
+    c4.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a" * 60, "b" * 30, "c" * 50, "d" * 40, "e" * 5]))
+    monkeypatch.setattr(f, "TT3_SITE", tmp_path / "site3")
+    monkeypatch.setattr(f, "C4_TEST", c4)
+    monkeypatch.setattr(f, "TT3_LONG_DOCS", tmp_path / "long")
+    monkeypatch.setattr(f, "LONG_DOC_CHARS", 80)
+    got = {}
+    monkeypatch.setattr(launch, "peer", lambda v, n, overrides, timeout, env: got.update(
+        v=v, env=env, args=overrides, there=(tmp_path / "site3" / "tt3_configs.py").exists()) or steady_run("p", 1.0))
+    a = f.parse_args(EIGHT_B)
+    a.left = 0
+    f.run(a, next(r for r in f.plan(a) if r.label == "torchtitan 0.3.0 bf16"))
+    assert {k: got[k] for k in ("v", "env", "there")} == \
+        {"v": "0.3.0", "env": {"TT3_BENCH_FLAVOR": "8B", "TT3_BENCH_AC": "none"}, "there": True}
+    assert got["args"][-2:] == ["--dataloader.dataset_path", str(tmp_path / "long")]
+    docs = [json.loads(x)["text"] for x in (tmp_path / "long" / "data.json").read_text().splitlines()]
+    assert docs == ["a" * 60 + "\n" + "b" * 30, "c" * 50 + "\n" + "d" * 40 + "\n" + "e" * 5]  # the rest joins the last
+    assert 'os.environ.get("TT3_BENCH_FLAVOR"' in f.TT3_CONFIGS.read_text()
+    c4_own = f.plan(f.parse_args([*EIGHT_B, "--tt3-data", "c4_test"]))
+    assert "--dataloader.dataset_path" not in next(r for r in c4_own if r.label == "torchtitan 0.3.0 bf16").args
+
+
+# -------------------------------------------------------------------------- attention.py, gemm_ceiling.py
+def test_attention_8b_shapes_and_groups():
+    assert bench_attention.shapes("8b") == ["llama 8B b2", "qwen3 8B b2"]
+    assert [bench_attention.shape(s) for s in bench_attention.shapes("8b")] == [(2, 32, 8, 8192, 128)] * 2
+    assert bench_attention.shapes("default,llama 1.36B b4,8b")[:3] == bench_attention.GROUPS["default"]
+    assert bench_attention.parse_args(["--shapes", "8b"]).shapes == ["llama 8B b2", "qwen3 8B b2"]
+
+
+def test_gemm_ceiling_counts_the_8b_steps_gemms_and_weighs_the_mean_by_flops():
+    import gemm_ceiling as g
+
+    assert g.linears("llama", "8B") == [("wq/wo", 4096, 4096, 64), ("wk/wv", 4096, 1024, 64),
+                                        ("w1/w3", 4096, 14336, 64), ("w2", 14336, 4096, 32),
+                                        ("output", 4096, 128256, 1)]
+    assert [g.mnk(x, 16384, 4096, 1024) for x in g.GEMMS] == [(16384, 1024, 4096), (16384, 4096, 1024),
+                                                              (1024, 4096, 16384)]
+    rows = g.plan("llama", "8B", 16384, float8=True)
+    assert len(rows) == 5 * 3 + 4 * 3 and not any(r["output"] for r in rows if r["precision"] == "float8")
+    # the step's GEMM FLOPs: 6 x the linears' parameters x tokens
+    params = sum(i * o * n for _, i, o, n in g.linears("llama", "8B"))
+    assert sum(r["flops"] * r["count"] for r in rows if r["precision"] == "bf16") == pytest.approx(6 * params * 16384)
+    for r in rows:  # bf16 at 500 TFLOP/s, float8 at 1000, but the block's forward GEMMs twice as fast
+        r["ms"] = r["flops"] / (1e15 if r["precision"] == "float8" else 5e14) * 1e3
+    assert g.mean_rate(rows, "bf16") == pytest.approx(500)
+    out = [r for r in rows if r["output"]]
+    f_out, f_all = sum(r["flops"] for r in out), sum(r["flops"] * r["count"] for r in rows if r["precision"] == "bf16")
+    expected = f_all / ((f_all - f_out) / 1e15 + f_out / 5e14) / 1e12  # the output layer's GEMMs stay bf16
+    assert g.mean_rate(rows, "float8") == pytest.approx(expected)
+    assert g.mean_rate([{**r, "ms": None} if r["precision"] == "float8" else r for r in rows], "float8") is None
+    means = {r["step's GEMMs"]: r for r in md_tables(g.table(rows, 1000.0, {"bf16": 0.7, "float8": 0.6}))[1]}
+    assert means["bf16"]["flop-weighted TFLOP/s"] == "500" and means["bf16"]["of peak"] == "0.500"
+    assert means["bf16"]["TFLOP/s the estimate takes"] == "700"
+    assert means["float8 (output layer in bf16)"]["TFLOP/s the estimate takes"] == "1200"
+
+
+def test_gemm_ceiling_lays_float8_operands_out_as_scaled_mm_takes_them():
+    """torch._scaled_mm: row-major first operand, column-major second; e5m2 only for the output gradient;
+    fast accumulation in the forward only."""
+    import torch
+
+    import gemm_ceiling as g
+
+    x, w, dy = torch.randn(8, 16), torch.randn(4, 16), torch.randn(8, 4)
+    for gemm, (a_dtype, fast) in zip(g.GEMMS, ((torch.float8_e4m3fn, True), (torch.float8_e5m2, False),
+                                               (torch.float8_e5m2, False))):
+        a, b, f = g.operands(gemm, "float8", x, w, dy)
+        m, n, k = g.mnk(gemm, 8, 16, 4)
+        assert (tuple(a.shape), tuple(b.shape)) == ((m, k), (k, n)) and (a.dtype, f) == (a_dtype, fast)
+        assert a.stride() == (k, 1) and b.stride() == (1, k) and b.dtype == torch.float8_e4m3fn
+        a, b, _ = g.operands(gemm, "bf16", x, w, dy)
+        assert tuple((a @ b).shape) == (m, n)

@@ -25,7 +25,7 @@ def test_idle_exposed_communication_and_overlap(monkeypatch):
     r = stream_profile.analyse(events, steps=0.001)  # 1 step of 1 us -> figures in us
     assert r["stream"] == 7
     assert r["span"] == pytest.approx(31)
-    assert r["busy"] == {"gemm": pytest.approx(16), "triton": pytest.approx(2)}
+    assert r["busy"] == {"gemm bf16": pytest.approx(16), "triton": pytest.approx(2)}
     assert r["idle"] == pytest.approx(5 + 8)
     assert r["idle_during_comm"] == pytest.approx(5 + 1)  # 10-15 (NCCL, then the copy) and 25-26
     assert r["nccl_active"] == pytest.approx(7)
@@ -39,7 +39,7 @@ def test_idle_exposed_communication_and_overlap(monkeypatch):
     (late, early) = stream_profile.analyse(events, steps=0.001)["gaps"]
     monkeypatch.setattr(stream_profile, "GAP_FLOOR_US", 6)
     assert [g["ms"] for g in stream_profile.analyse(events, steps=0.001)["gaps"]] == [pytest.approx(8)]
-    assert (late["prev_kernel"], late["next_kernel"]) == ("triton:triton_poi_fused_add", "gemm:nvjet_sm90_gemm")
+    assert (late["prev_kernel"], late["next_kernel"]) == ("triton:triton_poi_fused_add", "gemm bf16:nvjet_sm90_gemm")
     assert late["ms"] == pytest.approx(8) and late["per_step"] * 0.001 == pytest.approx(1)  # once in the trace
     assert late["beside"] == {"nccl": pytest.approx(1)}
     assert early["ms"] == pytest.approx(5) and early["beside"] == {"nccl": pytest.approx(4), "memcpy": pytest.approx(3)}
@@ -47,11 +47,93 @@ def test_idle_exposed_communication_and_overlap(monkeypatch):
     assert "idle 8.00 ms (1000.0 a step) after triton:triton_poi_fused_add" in stream_profile.report(r, "t")
 
 
-@pytest.mark.parametrize("name, cat", [
-    ("ncclDevKernel_AllGather_RING_LL", "nccl"), ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "attention"),
-    ("triton_red_fused__fused_rms_norm__to_copy_abs_max_0", "triton f8 cast"), ("triton_poi_fused_add_6", "triton"),
-    ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN", "gemm"), ("_master_adamw_many_kernel", "optimizer (MasterAdamW)"),
-    ("void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel", "fsdp copy"),
-])
+# kernel names as torch.profiler shows them on H100/H200 (cuBLAS, cuDNN, flash-attn, Inductor, NCCL, titanlite)
+KERNELS = {
+    "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": "gemm bf16",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas":
+        "gemm bf16",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>": "gemm bf16",
+    "triton_tem_fused_mm_0": "gemm bf16",  # an autotuned Triton GEMM template
+    "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas": "gemm float8",  # _scaled_mm forward
+    "sm90_xmma_gemm_e5m2bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas": "gemm float8",  # _scaled_mm, gradients
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0": "attention fwd",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0": "attention bwd",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>":
+        "attention fwd",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention bwd",
+    "void pytorch_flash::flash_bwd_convert_dq_kernel<Flash_bwd_kernel_traits<128>>": "attention bwd",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention fwd",
+    "fmha_cutlassB_bf16_aligned_64x128_k128_sm80": "attention bwd",
+    "void flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2, cute::tuple<>>>": "attention fwd",
+    "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__0": "attention bwd",
+    "triton_tem_fused_flex_attention_0": "attention fwd",
+    "triton_tem_fused_flex_attention_backward_1": "attention bwd",
+    # Inductor's kernels carry the ops they fuse: a cast next to _scaled_mm or the attention op stays Triton
+    "triton_per_fused__scaled_dot_product_cudnn_attention__to_copy_abs_max_1": "triton f8 cast",
+    "triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_4": "triton f8 cast",
+    "triton_red_fused__fused_rms_norm__to_copy_abs_max_0": "triton f8 cast",
+    "triton_poi_fused_add_6": "triton",
+    "triton_red_fused__fused_rms_norm_0": "triton",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul>>":
+        "elementwise (aten)",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float>>>":
+        "elementwise (aten)",
+    "_master_adamw_kernel": "optimizer (MasterAdamW)",
+    "_master_adamw_many_kernel": "optimizer (MasterAdamW)",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<float, 2>>": "foreach",
+    "void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel<c10::BFloat16>": "fsdp copy",
+    "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<c10::BFloat16, c10::BFloat16>": "fsdp copy",
+    "ncclDevKernel_AllGather_RING_LL": "nccl",
+    "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "nccl",
+    "Memcpy DtoD (Device -> Device)": "memcpy",
+    "Memset (Device)": "memset",
+    "some_custom_kernel": "other",
+}
+
+
+@pytest.mark.parametrize("name, cat", KERNELS.items())
 def test_kernel_categories(name, cat):
     assert stream_profile.category(name) == cat
+
+
+def test_every_category_is_listed_and_reached():
+    assert set(KERNELS.values()) == set(stream_profile.CATEGORIES)
+
+
+def test_step_table_splits_the_step_by_category_and_idle_time():
+    """The per-step table: each category's ms with its share of the span and its longest kernel, then the idle
+    time (while communication runs, otherwise); the rows add up to the span. The compute stream is the one
+    with the most GEMM time, float8 GEMMs counted."""
+    events, t = [], 0.0  # durations in us, one step: the figures are ms per step
+    for name, dur in [("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas", 300),
+                      ("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN", 200),
+                      ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", 100),
+                      ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7", 150),
+                      ("triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_4", 50),
+                      ("_master_adamw_many_kernel", 20)]:
+        events.append(kernel(name, t, dur, 7))
+        t += dur + 10  # 10 us idle between kernels: 50 us in all (none after the last)
+    events.append(kernel("ncclDevKernel_AllGather_RING_LL", 0, 1000, 20))  # beside every idle stretch
+    events.append(kernel("nvjet_sm90_tst_small", 0, 5, 21))  # a stream with less GEMM time is not the compute one
+    r = stream_profile.analyse(events, steps=1)
+    assert r["stream"] == 7 and r["span"] == pytest.approx(870 / 1000)
+    rows = {c[0]: c for c in (ln.strip("| ").split(" | ") for ln in stream_profile.step_table(r).splitlines()[2:])}
+    assert list(rows) == ["gemm bf16", "gemm float8", "attention fwd", "attention bwd", "triton f8 cast",
+                          "optimizer (MasterAdamW)", "idle while communication runs", "idle otherwise",
+                          "step (the stream's span)"]
+    assert float(rows["gemm float8"][1]) == pytest.approx(0.3) and float(rows["gemm float8"][2]) == pytest.approx(34.5, abs=0.05)
+    assert rows["attention bwd"][3].startswith("cudnn_generated_fort_native_sdpa_sm90_flash_bprop")
+    assert float(rows["idle while communication runs"][1]) == pytest.approx(0.05)
+    assert float(rows["idle otherwise"][1]) == pytest.approx(0.0)
+    assert sum(float(c[1]) for k, c in rows.items() if k != "step (the stream's span)") == pytest.approx(0.87)
+    assert stream_profile.step_table(r) in stream_profile.report(r, "t")
+
+
+def test_own_options_come_before_the_training_options(capsys):
+    opts, rest = stream_profile.own_options(["--ngpus", "4", "--out=/o", "--timeout", "150", "--model.flavor", "8B"])
+    assert opts == {"--ngpus": 4, "--out": "/o", "--timeout": 150} and rest == ["--model.flavor", "8B"]
+    assert stream_profile.own_options(["--compile.enable"]) == (stream_profile.OWN, ["--compile.enable"])
+    with pytest.raises(SystemExit) as e:
+        stream_profile.own_options(["--timeout", "0"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "stream_profile: --timeout takes a positive integer"
