@@ -878,3 +878,25 @@ def test_every_collective_takes_its_group_from_the_mesh(tmp_path):
         "titanlite/train.py:agree_on_config": [f"job, host-side {every}"],
     }
     assert results["zero1_0"] == {"ddp": [0, 2], "optimizer": [0, 2], "held": 0.5, "same_as": [0, 2]}
+
+
+def test_local_tensor_reads_a_wrapper_types_layout_once(monkeypatch):
+    """local_tensor runs for every parameter, gradient and moment at every optimizer step; torchao's float8
+    weight's __tensor_flatten__ tests its scale tensor for truth, a host sync on a GPU each time. The
+    inner tensor's attribute is found once per wrapper type, and every later call returns the same tensor."""
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from titanlite.parallel import grads
+
+    calls = []
+    flatten = WeightWithDynamicFloat8CastTensor.__tensor_flatten__
+    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "__tensor_flatten__",
+                        lambda self: calls.append(1) or flatten(self))
+    monkeypatch.setattr(grads, "_INNER", {})
+    inner = [torch.randn(8, 4, dtype=torch.bfloat16) for _ in range(3)]
+    weights = [WeightWithDynamicFloat8CastTensor(t, LinearMMConfig(), torch.float8_e4m3fn, torch.tensor(2.0))
+               for t in inner]
+    for _ in range(4):
+        assert all(grads.local_tensor(w) is t for w, t in zip(weights, inner))
+    assert len(calls) == 1

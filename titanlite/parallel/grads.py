@@ -72,12 +72,26 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.to_local()
     while is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        same = [x for x in (getattr(t, n) for n in names) if x.shape == t.shape and x.dtype == t.dtype]
-        if len(same) != 1:
+        name = _inner_name(t)
+        if name is None:
             break
-        t = same[0]
+        t = getattr(t, name)
     return t
+
+
+_INNER: dict[type, str | None] = {}
+
+
+def _inner_name(t: torch.Tensor) -> str | None:
+    """The attribute of wrapper `t` that holds its elements, found once per wrapper type: a type's
+    `__tensor_flatten__` may cost a host sync (torchao's float8 weight tests its scale tensor for truth),
+    and the optimizer asks for every parameter, gradient and moment at every step."""
+    kind = type(t)
+    if kind not in _INNER:
+        names, _ = t.__tensor_flatten__()
+        same = [n for n in names if getattr(t, n).shape == t.shape and getattr(t, n).dtype == t.dtype]
+        _INNER[kind] = same[0] if len(same) == 1 else None
+    return _INNER[kind]
 
 
 @runtime_checkable
