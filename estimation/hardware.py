@@ -23,6 +23,13 @@ def auto_attention(hw: Hardware) -> str:
     return "sdpa_cudnn" if hw.capability >= 9 else "sdpa_flash"
 
 
+def attention_kernel(backend: str, hw: Hardware) -> str:
+    """The kernel whose rate a backend runs at on that GPU: unpinned `sdpa` is the kernel torch picks,
+    cuDNN's from Hopper on (the kernel names benchmarks/attention.py records on H100 and H200), as
+    `auto` pins it."""
+    return auto_attention(hw) if backend == "sdpa" else backend
+
+
 def gpus_per_node(est) -> int:
     """GPUs per node of the modelled machine: estimate.gpus_per_node, or (0) titanlite.hardware's board of 8."""
     return est.gpus_per_node or GPUS_PER_NODE

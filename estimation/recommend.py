@@ -210,7 +210,7 @@ def recommend(cfg, progress=_progress) -> dict:
             if knobs.ac != "full":  # the next level of checkpointing for this class
                 todo.insert(0, dataclasses.replace(knobs, ac=AC_CHOICES[AC_CHOICES.index(knobs.ac) + 1]))
             continue
-        a = assumptions(est, hw, world, attention)
+        a = assumptions(est, hw, world, attention, seq_len=cfg.training.seq_len)
         graphs_ok = "training.cuda_graphs" not in MODES[knobs.mode].refuses
         for b in locals_:
             accum = per_rank // b
@@ -262,7 +262,7 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
             finally:
                 run.close()
             fits = _Fits(usable, headroom(est.fragmentation, knobs.mode), keep_headroom=True)
-            a = assumptions(est, hw, world, attention)
+            a = assumptions(est, hw, world, attention, seq_len=cfg.training.seq_len)
             for c, r in measured:
                 ok = fits(r.peak_bytes)
                 progress(f"verify {knobs.label()} local {c.local} x accum {c.accum}: peak {r.peak_bytes / GIB:.2f} GiB "

@@ -23,14 +23,15 @@ fraction of that GPU's peak; any `estimate.*_efficiency` / `estimate.launch_us` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from titanlite.models.args import mfu_pct
 
 from titanlite.parallel.comm_model import (BESIDE_KIND, CALIBRATION, LATENCY_US, OP_KIND, REFERENCE_GPU,  # noqa: F401
-                                           Link, beside_rate, gpu_rate, load_calibration, overlap, seconds)
+                                           Link, beside_rate, gpu_rate, load_calibration, overlap, seconds, source)
 
-from estimation.hardware import GPUS_PER_NODE, Hardware, gpus_per_node
+from estimation.hardware import GPUS_PER_NODE, Hardware, attention_kernel, gpus_per_node
 
 RATES = ("gemm_efficiency", "float8_efficiency", "elementwise_efficiency", "fused_efficiency",
          "optimizer_efficiency", "link_efficiency", "gap_us", "launch_us")
@@ -58,7 +59,10 @@ class Assumptions:
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
 
 
-def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibration: dict | None = None) -> Assumptions:
+def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibration: dict | None = None,
+                seq_len: int = 0) -> Assumptions:
+    """The rates of a run of `world` GPUs `hw` with `attention_backend` (`seq_len`: its sequence, for the
+    attention kernel's rate; 0: the rate's own length)."""
     cal = calibration or load_calibration()
     rates, sources = {}, {}
     for name in RATES:
@@ -66,8 +70,8 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
         value, source = gpu_rate(cal["rates"][name], hw.key)
         rates[name] = override if override > 0 else value
         sources[name] = "estimate." + name if override > 0 else source
-    attention, sources["attention_efficiency"] = gpu_rate(
-        cal["attention"].get(attention_backend, cal["attention"]["sdpa"]), hw.key)
+    attention, sources["attention_efficiency"] = attention_rate(cal["attention"], attention_kernel(attention_backend, hw),
+                                                                hw.key, seq_len)
     beside = {}
     for kind, entry in cal.get("beside_collectives", {}).items():
         beside[kind], sources[f"beside_{kind}"] = beside_rate(entry, hw.key)
@@ -75,6 +79,28 @@ def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibrati
                        attention_backend=attention_backend, attention_efficiency=attention, sources=sources,
                        gpus_per_node=gpus_per_node(est), network_gbps=est.inter_node_gbps / 8,
                        beside_collectives=beside, **rates)
+
+
+def attention_rate(table: dict, kernel: str, gpu: str, seq_len: int) -> tuple[float, str]:
+    """The attention kernel's rate at `seq_len` and its source. An entry holds its rate at `at_seq_len`
+    and may hold rates measured at other lengths (`by_seq_len`): a longer sequence amortises each tile's
+    fixed work over more of the S x S square, so the rate is interpolated in log2(seq_len) between them,
+    flat beyond the ends. An entry without them, or seq_len 0, gives its one rate."""
+    entry = table.get(kernel, table["sdpa"])
+    value, src = gpu_rate(entry, gpu)
+    points = {int(s): e for s, e in entry.get("by_seq_len", {}).items()}
+    if not (seq_len and points and entry.get("at_seq_len")):
+        return value, src
+    points[entry["at_seq_len"]] = {"value": value, "source": src}
+    known = sorted(points)
+    if seq_len <= known[0] or seq_len >= known[-1]:
+        end = points[known[0] if seq_len <= known[0] else known[-1]]
+        return end["value"], source(end)
+    hi = next(s for s in known if s >= seq_len)
+    lo = known[known.index(hi) - 1]
+    f = (math.log2(seq_len) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (points[lo]["value"] + f * (points[hi]["value"] - points[lo]["value"]),
+            f"interpolated at seq {seq_len} between {lo} ({source(points[lo])}) and {hi} ({source(points[hi])})")
 
 
 def collective_seconds(c, a: Assumptions) -> float:

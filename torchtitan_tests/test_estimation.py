@@ -657,6 +657,29 @@ def test_rates_take_the_gpus_own_fit_else_the_entrys_value():
     assert h200.sources["attention_efficiency"] == "run D (e)"
 
 
+def test_attention_rate_follows_the_kernel_and_the_sequence_length():
+    """An attention entry's rates at several sequence lengths are interpolated in log2 of the run's
+    sequence, flat beyond the ends, each named with its run; unpinned `sdpa` takes the rate of the kernel
+    torch picks on that GPU (cuDNN's from Hopper on, flash SDPA's before)."""
+    from estimation.hardware import get_hardware
+    from estimation.throughput import assumptions, load_calibration
+
+    cal = load_calibration()
+    cal["attention"]["sdpa_cudnn"] = {"value": 0.3, "at_seq_len": 2048, "of": "-", "source": "run C", "date": "d",
+                                      "by_seq_len": {"8192": {"value": 0.5, "source": "run E", "date": "e"}}}
+    est, h200 = _cfg().estimate, get_hardware("h200")
+    rate = {s: assumptions(est, h200, 1, "sdpa_cudnn", cal, seq_len=s) for s in (0, 512, 2048, 4096, 8192, 32768)}
+    assert [rate[s].attention_efficiency for s in (0, 512, 2048)] == [0.3, 0.3, 0.3]
+    assert rate[4096].attention_efficiency == pytest.approx(0.4)  # halfway in log2 between 2048 and 8192
+    assert rate[8192].attention_efficiency == rate[32768].attention_efficiency == 0.5
+    assert rate[8192].sources["attention_efficiency"] == "run E (e)"
+    assert "between 2048 (run C (d)) and 8192 (run E (e))" in rate[4096].sources["attention_efficiency"]
+    unpinned = assumptions(est, h200, 1, "sdpa", cal, seq_len=8192)
+    assert unpinned.attention_efficiency == 0.5
+    a100 = assumptions(est, get_hardware("a100"), 1, "sdpa", cal, seq_len=8192)
+    assert a100.attention_efficiency == cal["attention"]["sdpa_flash"]["value"]
+
+
 def test_beside_rates_are_per_gpu_with_the_mean_elsewhere():
     """The compute slowed beside hidden collectives is fitted per GPU: a fitted GPU gets its own rate
     and names its run; another GPU gets the mean of the fits of that kind, and says so."""
