@@ -287,3 +287,24 @@ def test_backend_in_use_goes_into_the_run_log(no_flash, tmp_cache):
                              "--job.dump_folder", str(tmp_cache)]))
     assert t.run_log.data["startup_info"]["config"]["attention_backend"] == "sdpa"
     assert t.run_log.data["startup_info"]["config"]["model.attention_backend"] == "flash_attn"
+
+
+@pytest.mark.parametrize("name,native", [("sdpa_cudnn", True), ("sdpa", True), ("sdpa_flash", False),
+                                         ("sdpa_efficient", False)])
+def test_grouped_kv_reach_the_kernels_that_take_them_unexpanded(monkeypatch, name, native):
+    """cuDNN (and torch's own choice) get grouped K/V as they are, with enable_gqa; the kernels that do not
+    take it get K/V expanded to the query heads. The output is the same either way."""
+    import torch.nn.functional as F
+
+    from titanlite.ops import attention as A
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((k.shape[1], kw["enable_gqa"])) or sdpa(q, k, v, **kw))
+    q, k, v = torch.randn(2, 16, 8, 32), torch.randn(2, 16, 2, 32), torch.randn(2, 16, 2, 32)  # B, S, H, D
+    backend = A.build_attention(name)
+    backend.unpin()  # the CPU runs what torch picks, with this backend's tensors
+    out = backend(q, k, v)
+    assert seen == [(2, True)] if native else [(8, False)]
+    torch.testing.assert_close(out, A.Manual()(q, k, v), rtol=1e-4, atol=1e-4)

@@ -48,6 +48,9 @@ class SDPA:
     """torch's scaled_dot_product_attention, optionally pinned to one kernel."""
 
     kernel: str | None = None  # name in torch.nn.attention.SDPBackend, None = let torch choose
+    # whether the pinned kernel takes grouped K/V as they are (enable_gqa); the others get K/V expanded
+    # to the query heads, a copy the backward keeps
+    native_gqa: bool = True
 
     def __init__(self):
         from torch.nn.attention import SDPBackend
@@ -75,7 +78,7 @@ class SDPA:
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        if gqa and self.kernel is not None:  # the pinned kernels do not all take enable_gqa; expand explicitly
+        if gqa and not self.native_gqa:  # expand explicitly for a kernel that does not take enable_gqa
             n_rep = q.shape[1] // k.shape[1]
             k, v, gqa = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1), False
         with sdpa_kernel(self._backends) if self._backends else contextlib.nullcontext():
@@ -84,15 +87,17 @@ class SDPA:
 
 
 class SDPAcuDNN(SDPA):
+    # cuDNN takes grouped K/V unexpanded: faster and without the expanded copy the backward keeps
+    # (benchmarks/results/2026-11-28_4xh200_8b-peers-float8-syncs.md)
     name, kernel = "sdpa_cudnn", "CUDNN_ATTENTION"
 
 
 class SDPAFlash(SDPA):
-    name, kernel = "sdpa_flash", "FLASH_ATTENTION"
+    name, kernel, native_gqa = "sdpa_flash", "FLASH_ATTENTION", False
 
 
 class SDPAEfficient(SDPA):
-    name, kernel = "sdpa_efficient", "EFFICIENT_ATTENTION"
+    name, kernel, native_gqa = "sdpa_efficient", "EFFICIENT_ATTENTION", False
 
 
 class SDPAAny(SDPA):
