@@ -33,10 +33,11 @@ FREE = {"empty_like", "empty", "view", "_unsafe_view", "alias", "slice", "detach
 
 
 def sizes(n_params: int, elements: float, seed: int = 0) -> list[int]:
-    """`n_params` sizes of about `elements` in all, log-uniform over three decades (norms to matrices)."""
+    """`n_params` sizes of about `elements` in all, log-uniform over three decades (norms to matrices),
+    each a multiple of 8 elements as a model's are (the fused launch over a list needs that)."""
     g = torch.Generator().manual_seed(seed)
     raw = torch.exp(torch.rand(n_params, generator=g) * 7)
-    return [max(1, int(x)) for x in raw / raw.sum() * elements]
+    return [max(8, int(x) // 8 * 8) for x in raw / raw.sum() * elements]
 
 
 def build(kind: str, moments: torch.dtype, ns: list[int], device: str) -> dict:
