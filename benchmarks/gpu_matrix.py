@@ -238,6 +238,7 @@ def note(out: Path, stem: str, result: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     with _LOCK, open(out / f"{stem}.jsonl", "a") as fh:
         fh.write(json.dumps({k: v for k, v in result.items() if k != "losses"}, default=str) + "\n")
+    print(f"{result.get('label', '?')}: {'pass' if result.get('passed') else 'FAIL'}", flush=True)  # progress
     return result
 
 
