@@ -141,8 +141,10 @@ def label(row: dict) -> str:
 
 
 def key(row: dict, ngpus: int, hardware: str) -> str:
-    """What a prediction is for: the row's options, GPU count and GPU."""
-    return hashlib.sha256(json.dumps([options(row, ngpus), hardware]).encode()).hexdigest()[:16]
+    """What a prediction is for: the row's options (paths inside the checkout relative to it, so that any
+    checkout's predictions serve), GPU count and GPU."""
+    opts = [o.replace(str(ROOT) + os.sep, "") for o in options(row, ngpus)[1]]
+    return hashlib.sha256(json.dumps([opts, ngpus, hardware]).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------- predict
@@ -183,7 +185,7 @@ class Gpus:
     may share it; a row takes distinct GPUs."""
 
     def __init__(self, slots: list[int]):
-        self.free, self.cv = list(slots), threading.Condition()
+        self.free, self.cv, self.count = list(slots), threading.Condition(), len(set(slots))
 
     def take(self, k: int) -> list[int]:
         with self.cv:
@@ -199,13 +201,17 @@ class Gpus:
             self.cv.notify_all()
 
 
-def run_row(row: dict, ngpus: int, gpus: Gpus, data: str, prediction: dict | None) -> dict:
+def run_row(row: dict, ngpus: int, gpus: Gpus, data: str, prediction: dict | None,
+            timeout: float = ROW_TIMEOUT) -> dict:
     ranks, opts = options(row, ngpus)
     opts += ["--training.dataset", "prepared", "--training.dataset_path", data] if data else []
     name = label(row)
+    if row["expect"] == "train" and ranks > gpus.count:
+        return {**row, "label": name, "ranks": ranks, "rc": None, "wall_s": 0.0, "passed": False,
+                "error": f"not run: needs {ranks} GPUs, the host lends {gpus.count}"}
     ids = gpus.take(ranks) if row["expect"] == "train" else []
     try:
-        res = launch.run_train(name, opts, ngpus=ranks, steps=STEPS, log_freq=1, timeout=ROW_TIMEOUT,
+        res = launch.run_train(name, opts, ngpus=ranks, steps=STEPS, log_freq=1, timeout=timeout,
                                env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if ids else None)
     finally:
         gpus.give(ids)
@@ -227,6 +233,8 @@ def run_row(row: dict, ngpus: int, gpus: Gpus, data: str, prediction: dict | Non
                peak_gib=measured, predicted_gib=predicted, memory_error=mem_err, tps_gpu=fig.get("tps_gpu"),
                passed=res.rc == 0 and len(losses) == STEPS and falling and mem_err is not None
                and abs(mem_err) <= MEMORY_TOLERANCE)
+    if not out["passed"]:  # what the run said last, for the record's JSON
+        out["tail"] = res.output[-3000:]
     return out
 
 
@@ -262,7 +270,8 @@ def table(results: list[dict], commit: str, wall: float, device: str) -> str:
     return "\n".join(lines)
 
 
-def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[str]) -> int:
+def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[str], host_gpus: int | None = None,
+        timeout: float = ROW_TIMEOUT) -> int:
     import subprocess
 
     rows = design(ngpus)
@@ -274,12 +283,12 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
                             text=True).stdout.strip() or "unknown"
     names = launch.gpu_names()
     device = f"{len(names)} x {names[0]}" if names else "no GPU"
-    gpus, t0 = Gpus(list(range(ngpus))), time.time()
+    gpus, t0 = Gpus(list(range(host_gpus or ngpus))), time.time()
     # the widest rows first, so that one-GPU rows fill the gaps beside them
     order = sorted(rows, key=lambda r: (r["expect"] != "train", r["mode"] == "one", not r["compile"]))
     with futures.ThreadPoolExecutor(max(ngpus, 1) + 2) as pool:
         jobs = [pool.submit(lambda r: note(out, "gpu_matrix", run_row(r, ngpus, gpus, data, pred["predictions"].get(
-            key(r, ngpus, hw)) if hw else None)), r) for r in order]
+            key(r, ngpus, hw)) if hw else None, timeout)), r) for r in order]
         results = [j.result() for j in jobs]
     wall = time.time() - t0
     text = table(results, commit, wall, device)
@@ -366,6 +375,9 @@ def main() -> int:
     p.add_argument("--predictions", type=Path, help="the --predict output the run compares against")
     p.add_argument("--data", default="", help="prepared shards (titanlite.data.prepare) to train on")
     p.add_argument("--only", default="", help="comma-separated substrings of row labels")
+    p.add_argument("--host-gpus", type=int, help="GPUs this host lends the rows (default --ngpus); a wider row "
+                   "is listed as not run")
+    p.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT, help="seconds a row may run")
     p.add_argument("--float8-sweep", action="store_true",
                    help="fsdp/hsdp x float8 in every compile/AC/accumulation combination against bf16 (50 steps)")
     p.add_argument("--slots", type=int, default=2, help="--float8-sweep: rows sharing a GPU at once")
@@ -383,7 +395,7 @@ def main() -> int:
         predict(a.ngpus, a.hardware, a.out if a.out.suffix == ".json" else a.out / "gpu_matrix_predictions.json",
                 a.workers, [o for o in a.only.split(",") if o])
         return 0
-    return run(a.ngpus, a.predictions, a.data, a.out, [o for o in a.only.split(",") if o])
+    return run(a.ngpus, a.predictions, a.data, a.out, [o for o in a.only.split(",") if o], a.host_gpus, a.row_timeout)
 
 
 if __name__ == "__main__":

@@ -711,7 +711,7 @@ def test_every_measurement_record_is_in_the_index_and_every_index_link_exists():
 
 
 @pytest.mark.parametrize("ngpus", [2, 4])
-def test_gpu_matrix_covers_every_pair_and_each_row_is_what_the_checks_say(ngpus):
+def test_gpu_matrix_covers_every_pair_and_each_row_is_what_the_checks_say(ngpus, monkeypatch):
     """benchmarks/gpu_matrix.py: every pair of values of two factors is in some row; a row meant to train
     passes titanlite's configuration check, and a pair no configuration can train is in a row the
     check refuses, with the line it refuses it with."""
@@ -730,6 +730,23 @@ def test_gpu_matrix_covers_every_pair_and_each_row_is_what_the_checks_say(ngpus)
     assert {r["mode"] for r in rows if r["expect"] == "train" and r["precision"] == "float8"} >= {"fsdp", "hsdp"}
     labels = [gpu_matrix.label(r) for r in rows]
     assert len(set(labels)) == len(labels)  # each row's run folder and log are its own
+    # the committed predictions serve every trained row, from whatever folder the checkout sits in
+    pred = json.loads((ROOT / f"benchmarks/results/gpu_matrix_predictions_{ngpus}xh200.json").read_text())
+    keys = {gpu_matrix.key(r, ngpus, "h200"): gpu_matrix.label(r) for r in rows if r["expect"] == "train"}
+    assert {k: p["label"] for k, p in pred["predictions"].items()} == keys
+    monkeypatch.setattr(gpu_matrix, "ROOT", Path("/elsewhere/checkout"))
+    assert {gpu_matrix.key(r, ngpus, "h200") for r in rows if r["expect"] == "train"} == set(keys)
+
+
+def test_gpu_matrix_lists_a_row_wider_than_the_host_as_not_run(tmp_path, monkeypatch):
+    """On a host with fewer GPUs than a row needs, the row is listed as not run (and fails), never waited for."""
+    import gpu_matrix
+
+    started = []
+    monkeypatch.setattr(gpu_matrix.launch, "run_train", lambda *a, **k: started.append(a) or None)
+    row = next(r for r in gpu_matrix.design(2) if r["mode"] == "fsdp" and r["expect"] == "train")
+    out = gpu_matrix.run_row(row, 2, gpu_matrix.Gpus([0]), "", None)
+    assert not out["passed"] and out["error"] == "not run: needs 2 GPUs, the host lends 1" and not started
 
 
 def test_float8_sweep_pairs_every_float8_run_with_its_bf16_run():
