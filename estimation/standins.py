@@ -10,6 +10,7 @@ values fake tensors do not have; each such stand-in lives here:
 | stand-in | for | why |
 |---|---|---|
 | `cuda_like_kernels` | F.rms_norm | the CPU decomposes it and keeps other tensors than CUDA's kernel |
+| `cuda_like_kernels` | titanlite.optim.CPU_UPDATE_CHUNK | the eager optimizer update works on the CPU in smaller chunks, with smaller temporaries, than on a GPU |
 | `init_without_values` | torch.nn.init.trunc_normal_ | it redraws out-of-range values in a loop that reads them |
 | `ddp_on_fake_tensors` | DDP's parameter shape check; dist.Reducer's first bucket layout | both read tensor data |
 | `keep_rebuilt_buckets` | the DDP reducer's bucket rebuild | it agrees on an order by reading tensor data |
@@ -30,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.nn.init as init
 import torch.nn.parallel.distributed as ddp
+
+from titanlite import optim
 
 
 # --------------------------------------------------------------------------- kernels: CUDA's, not the CPU's
@@ -55,9 +58,11 @@ class _FusedRMSNorm(torch.autograd.Function):
 def cuda_like_kernels():
     """CUDA's kernels where their CPU versions keep different tensors: the fused RMSNorm (the CPU
     decomposes it and would save two extra fp32 copies of the input per norm; code that torch.compile
-    traces keeps the real op: Inductor decides what it saves). (The chunked loss's fp32-output GEMMs need
-    no stand-in: they are titanlite ops whose fake kernels give CUDA's tensors, titanlite.ops.loss.)"""
-    orig = F.rms_norm
+    traces keeps the real op: Inductor decides what it saves), and MasterAdamW's eager update
+    (optimizer.fused=false), which takes a GPU's chunks of parameters at a time, not the CPU's (its fp32
+    temporaries span one chunk). (The chunked loss's fp32-output GEMMs need no stand-in: they are
+    titanlite ops whose fake kernels give CUDA's tensors, titanlite.ops.loss.)"""
+    orig, orig_chunk = F.rms_norm, optim.CPU_UPDATE_CHUNK
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
         if torch.compiler.is_compiling():
@@ -66,11 +71,11 @@ def cuda_like_kernels():
             weight = torch.ones(normalized_shape, device=x.device)
         return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
 
-    F.rms_norm = rms_norm
+    F.rms_norm, optim.CPU_UPDATE_CHUNK = rms_norm, optim.UPDATE_CHUNK
     try:
         yield
     finally:
-        F.rms_norm = orig
+        F.rms_norm, optim.CPU_UPDATE_CHUNK = orig, orig_chunk
 
 
 # ---------------------------------------------------------------------------------- values fake tensors lack

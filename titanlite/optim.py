@@ -83,29 +83,149 @@ def join_master(p: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 def eager_master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2: float, eps: float,
-                         bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
-    """AdamW on one fp32 master weight, rewriting what holds it. The master is the bf16 parameter `p`
-    with its low bits `lo` (join_master; both are rewritten), or, with `lo` None, the fp32 `p` itself,
-    whose bf16 copy `copy` (titanlite.ops.master_linear), when given, is rewritten as its rounding.
+                              bias1, bias2_sqrt, grad_scale, keep, copy=None) -> None:
+    """eager_master_adamw_update_many on one parameter: the per-parameter form of the update, with the
+    arguments of the CUDA kernel's per-parameter launch (titanlite.ops.master_adamw.master_adamw_update)
+    and of MasterAdamW's `update`."""
+    eager_master_adamw_update_many([p], [g], None if lo is None else [lo], [m], [v], lr, wd, beta1, beta2, eps,
+                                   bias1, bias2_sqrt, grad_scale, keep, None if copy is None else [copy])
 
-    All tensors arrive flattened to 1-D. The moments `m`, `v` are fp32 or bf16 (optimizer.moments_dtype);
-    the arithmetic is fp32 either way. This is the CPU path and the reference of the CUDA kernel
-    (titanlite.ops.master_adamw), which does it in one pass. `grad_scale` divides the gradient (the
-    grad-norm clip); where `keep` is true nothing changes (a skipped step, decided on the device).
-    The formula is torch.optim.AdamW's.
+
+# The most elements eager_master_adamw_update_many works on at once. On a GPU its fp32 temporaries (a
+# few at a time) span that many, so the optimizer phase holds a bounded amount beyond the model state
+# whatever the model's size, while a chunk still holds many parameters (few launches). On the CPU,
+# where a launch costs little, few enough that a chunk stays in cache from one op to the next (a
+# large list streamed whole through each op ran slower there than parameter by parameter:
+# benchmarks/eager_update.py measures both).
+UPDATE_CHUNK = 1 << 26
+CPU_UPDATE_CHUNK = 1 << 18
+
+
+def eager_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, beta2: float, eps: float,
+                                   bias1, bias2_sqrt, grad_scale=None, keep=None, copies=None) -> None:
+    """AdamW on fp32 master weights, rewriting what holds them, over lists of one kind of parameter (as
+    titanlite.ops.master_adamw.master_adamw_update_many takes them). The masters are the bf16
+    parameters `ps` with their low bits `los` (join_master; both are rewritten), or, with `los` None,
+    the fp32 `ps` themselves, whose bf16 `copies` (titanlite.ops.master_linear), when given, are
+    rewritten as their rounding.
+
+    The moments `ms`, `vs` are fp32 or bf16 (optimizer.moments_dtype), the gradients fp32 or bf16; the
+    arithmetic is fp32 either way. `grad_scale` (0-d; None: 1) divides the gradients (the grad-norm
+    clip); where the 0-d bool `keep` is true nothing changes (a skipped step, decided on the device;
+    None: never). `lr`, `bias1` (1 - beta1^t) and `bias2_sqrt` (its root for beta2) are 0-d tensors on
+    the device. The formula is torch.optim.AdamW's:
+        m <- lerp(m, g, 1 - beta1);  v <- v * beta2 + (1 - beta2) * g * g
+        w <- w * (1 - lr * wd) - m / ((sqrt(v) + eps * bias2_sqrt) / (bias2_sqrt * lr / bias1))
+    with the step size in the denominator, as torch's capturable AdamW has it, but applied after eps
+    is added, so that an lr of 0 leaves the master as it is (rather than 0 / 0 where v is 0).
+
+    This is the CPU path, CUDA's unfused one, and the reference of the CUDA kernel
+    (titanlite.ops.master_adamw), which does it all in one pass. Here each step of the formula is one
+    torch._foreach_* op over the whole list (a few kernels, not one per parameter), in place on the
+    fp32 state; bf16 moments and the masters of bf16 parameters are worked on as fp32 temporaries and
+    written back rounded (to nearest even). A list of more than UPDATE_CHUNK elements (CPU_UPDATE_CHUNK
+    on the CPU) goes chunk by chunk.
     """
-    w = p if lo is None else join_master(p, lo)
-    g = g.float() / grad_scale
-    m_new = m.float().lerp(g, 1 - beta1)
-    v_new = v.float() * beta2 + (1 - beta2) * g * g
-    w_new = torch.where(keep, w, w * (1 - lr * wd) - (lr / bias1) * m_new / (v_new.sqrt() / bias2_sqrt + eps))
-    m.copy_(torch.where(keep, m.float(), m_new))  # rounds to nearest even where the moments are bf16
-    v.copy_(torch.where(keep, v.float(), v_new))
-    p.copy_(w_new)
-    if lo is not None:
-        lo.copy_(master_low_bits(w_new, p))
-    if copy is not None:
-        copy.copy_(w_new)
+    if not ps:
+        return
+    decay = None if wd == 0 else 1 - lr * wd
+    eps_root, per_step = eps * bias2_sqrt, bias2_sqrt * (lr / bias1)
+    for part in _chunks(ps, CPU_UPDATE_CHUNK if ps[0].device.type == "cpu" else UPDATE_CHUNK):
+        _update_chunk(ps[part], gs[part], los and los[part], ms[part], vs[part], beta1, beta2, grad_scale, keep,
+                      copies and copies[part], decay, eps_root, per_step)
+
+
+def _chunks(ts: list[torch.Tensor], limit: int) -> list[slice]:
+    """`ts` in consecutive runs of at most `limit` elements (a larger tensor alone)."""
+    cuts, total = [0], 0
+    for i, t in enumerate(ts):
+        if total and total + t.numel() > limit:
+            cuts.append(i)
+            total = 0
+        total += t.numel()
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:] + [len(ts)]) if b > a]
+
+
+def _update_chunk(ps, gs, los, ms, vs, beta1: float, beta2: float, grad_scale, keep, copies, decay, eps_root,
+                  per_step) -> None:
+    ws = ps if los is None else _join_masters(ps, los)  # fp32: the masters and moments worked on
+    mw, vw = _fp32(ms), _fp32(vs)
+    held = None if keep is None else _hold([ws, mw, vw], keep)
+    g = _scaled_grads(gs, grad_scale)
+    torch._foreach_lerp_(mw, g, 1 - beta1)
+    torch._foreach_mul_(vw, beta2)
+    torch._foreach_addcmul_(vw, g, g, value=1 - beta2)
+    del g  # (each temporary goes as soon as it is used: the optimizer phase's peak holds one or two)
+    denom = torch._foreach_sqrt(vw)
+    torch._foreach_add_(denom, eps_root, alpha=1)  # alpha: the 0-d tensor overload (else a Scalar, read back)
+    torch._foreach_div_(denom, per_step)
+    if decay is not None:
+        torch._foreach_mul_(ws, decay)
+    torch._foreach_addcdiv_(ws, mw, denom, value=-1)
+    del denom
+    if held is not None:
+        _put_back(held, keep)
+    for state, work in ((ms, mw), (vs, vw)):
+        if work is not state:
+            torch._foreach_copy_(state, work)
+    if los is not None:
+        _split_masters(ws, ps, los)
+    if copies is not None:
+        torch._foreach_copy_(copies, ws)
+
+
+def _converted(ts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """New tensors: `ts` converted to `dtype`, in one foreach copy."""
+    out = [torch.empty_like(t, dtype=dtype) for t in ts]
+    torch._foreach_copy_(out, ts)
+    return out
+
+
+def _fp32(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`ts` themselves where all are fp32, else fp32 copies of them."""
+    return ts if all(t.dtype == torch.float32 for t in ts) else _converted(ts, torch.float32)
+
+
+def _scaled_grads(gs: list[torch.Tensor], grad_scale) -> list[torch.Tensor]:
+    """The gradients in fp32 divided by `grad_scale` (None: as they are), never written in place."""
+    g = _fp32(gs)
+    if grad_scale is None:
+        return g
+    if g is gs:
+        return torch._foreach_div(g, grad_scale)
+    torch._foreach_div_(g, grad_scale)
+    return g
+
+
+def _join_masters(ps: list[torch.Tensor], los: list[torch.Tensor]) -> list[torch.Tensor]:
+    """join_master over lists: the fp32 masters, as new tensors."""
+    bits = _converted(los, torch.int32)
+    torch._foreach_add_(bits, _converted([p.view(torch.int16) for p in ps], torch.int32), alpha=65536)
+    return [b.view(torch.float32) for b in bits]
+
+
+def _split_masters(ws: list[torch.Tensor], ps: list[torch.Tensor], los: list[torch.Tensor]) -> None:
+    """Write the fp32 masters `ws` into their bf16 parameters `ps` and low bits `los` (master_low_bits
+    over lists; `ws` are join_master's temporaries, used up here)."""
+    torch._foreach_copy_(ps, ws)
+    bits = [w.view(torch.int32) for w in ws]
+    torch._foreach_sub_(bits, _converted([p.view(torch.int16) for p in ps], torch.int32), alpha=65536)
+    torch._foreach_clamp_max_(bits, 32767)
+    torch._foreach_copy_(los, bits)
+
+
+def _hold(lists: list[list[torch.Tensor]], keep: torch.Tensor):
+    """Before an update that `keep` (0-d bool) may cancel: the bits of the fp32 tensors in `lists` where
+    it is true, zeros where not. In integers, so that _put_back gives NaN and -0 back exactly."""
+    bits = [t.view(torch.int32) for ts in lists for t in ts]
+    return bits, torch._foreach_mul(bits, keep.to(torch.int32))
+
+
+def _put_back(held, keep: torch.Tensor) -> None:
+    """After the update: each tensor _hold saw becomes what it was before where `keep` is true."""
+    bits, before = held
+    torch._foreach_mul_(bits, (~keep).to(torch.int32))
+    torch._foreach_add_(bits, before)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -121,9 +241,10 @@ class MasterAdamW(torch.optim.Optimizer):
     - fp32 without a copy (embeddings, norms, output head): its own master, plain AdamW.
     The state also holds the moments and the step. On CUDA with `fused` the update is one Triton
     pass over each parameter, launched once per group and kind (once per parameter while a CUDA
-    graph is captured; titanlite.ops.master_adamw); elsewhere `eager_master_adamw_update` runs eagerly
-    (the reference the kernel is tested against). `update`, when given, runs instead of both (same
-    arguments as eager_master_adamw_update): estimation's fake run counts the kernel's bytes through it.
+    graph is captured; titanlite.ops.master_adamw); elsewhere `eager_master_adamw_update_many` runs
+    eagerly over each group and kind's lists (the reference the kernel is tested against). `update`,
+    when given, runs instead of both, parameter by parameter (same arguments as
+    eager_master_adamw_update): estimation's fake run counts the kernel's bytes through it.
     It takes the clip inside its update (titanlite.parallel.grads.FusedClip: `scale_next_step`).
     State is created up front, so checkpoints load into it in place (DCP needs no warm-up step).
     """
@@ -206,18 +327,20 @@ class MasterAdamW(torch.optim.Optimizer):
             if local_tensor(p).numel():
                 launches.setdefault((i, self._kind(p)), []).append(p)
         device = work[0][1].device
-        scale = self._grad_scale if self._grad_scale is not None else torch.ones((), device=device)
-        keep = (self._found_inf > 0) if self._found_inf is not None else torch.zeros((), dtype=torch.bool, device=device)
+        keep = (self._found_inf > 0) if self._found_inf is not None else None  # None: no skip to decide
         (beta1, beta2), eps = self.defaults["betas"], self.defaults["eps"]  # one setting for all groups
         steps = [self.state[p]["step"] for _, p in work]
-        step = torch.where(keep, steps[0], steps[0] + 1)  # every parameter steps together
+        step = steps[0] + 1 if keep is None else torch.where(keep, steps[0], steps[0] + 1)  # all step together
         bias1, bias2_sqrt = 1 - beta1 ** step, (1 - beta2 ** step).sqrt()
-        update, many = self._update or eager_master_adamw_update, None
-        if self._update is None and self.fused and device.type == "cuda":
+        scale, update, many = self._grad_scale, self._update, None
+        if update is None and self.fused and device.type == "cuda":
             # here, not at the top: the kernels need triton, which only CUDA builds of torch bring
             from titanlite.ops.master_adamw import master_adamw_update as update
             if not torch.cuda.is_current_stream_capturing():  # the launch's tables are copied in per change
                 from titanlite.ops.master_adamw import master_adamw_update_many as many
+        if update is not None:  # a kernel's arguments: the scale and the skip always as tensors
+            scale = scale if scale is not None else torch.ones((), device=device)
+            keep = keep if keep is not None else torch.zeros((), dtype=torch.bool, device=device)
         # The kernel reads the lr from the device: a tensor already under CUDA graphs (the scheduler
         # writes it in place), else one 0-d copy per distinct value
         lr_on_device = {}
@@ -234,6 +357,9 @@ class MasterAdamW(torch.optim.Optimizer):
             copies = [self.masters.copies[p] for p in ps] if kind == "copy" else None
             ws, gs = [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps]
             ms, vs = [local_tensor(s["exp_avg"]) for s in st], [local_tensor(s["exp_avg_sq"]) for s in st]
+            if update is None:  # eager: the whole list at once, a few kernels per step of the formula
+                eager_master_adamw_update_many(ws, gs, los, ms, vs, *args, copies=copies)
+                continue
             if many is not None and many(ws, gs, los, ms, vs, *args, copies=copies,
                                          cache=self._launch_cache.setdefault((i, kind), {})):
                 continue

@@ -13,11 +13,14 @@ are in test_master_linear.py.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanlite.config import ConfigError, load_config
 from titanlite.config.manager import check_combination
 from titanlite.ops.master_linear import MasterWeights
-from titanlite.optim import MasterAdamW, join_master, master_low_bits
+import titanlite.optim
+from titanlite.optim import (MasterAdamW, eager_master_adamw_update, eager_master_adamw_update_many, join_master,
+                             master_low_bits)
 
 SHAPES = [(64, 32), (32,), (48, 64)]
 
@@ -118,6 +121,72 @@ def test_bf16_moments_are_the_rounded_fp32_moments():
     for r, w in zip(ref, low16):
         assert (b16.master(w) - r.detach()).abs().max() < 1e-3
         assert (b16.master(w) - r.detach()).abs().max() > 0  # the rounding is there
+
+
+def _same_bits(a: list[dict], b: list[dict]) -> bool:
+    """Every tensor of `a` holds the bits of its twin in `b` (equal bits, not only equal values: NaN, -0)."""
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int16: torch.int16}
+    return all(torch.equal(x[k].view(as_int[x[k].dtype]), y[k].view(as_int[y[k].dtype]))
+               for x, y in zip(a, b) for k in x)
+
+
+class _NoReadBack(TorchDispatchMode):
+    """Fails where a tensor's value is read back to the host (.item(), or a 0-d tensor taken for an op's
+    Scalar overload): on CUDA each read is a sync."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func is not torch.ops.aten._local_scalar_dense.default, "a value read back to the host"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
+@pytest.mark.parametrize("kind", ["own", "copy", "lo"])
+def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
+    """The eager update over a list (what MasterAdamW runs per group and kind, off CUDA's fused kernel)
+    writes, bit for bit, what it writes parameter by parameter, for each kind of master: mixed sizes cut
+    into chunks (one tensor larger than a chunk), an empty local shard among them (FSDP can leave a
+    rank one), the clip's scale; a skipped step (`keep`) leaves every bit as it was, infinite gradients
+    and all; no scale and no skip (None) are a scale of 1 and a `keep` of False. It reads no value back
+    to the host (the skip and the scalars stay on the device)."""
+    monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
+    torch.manual_seed(0)
+    sizes = [(64, 32), (0,), (5000,), (7, 3), (1,), (40, 40)]
+    masters = [torch.randn(s) for s in sizes]
+
+    def state():
+        out = []
+        for w in masters:
+            p = w.bfloat16() if kind == "lo" else w.clone()
+            s = {"p": p, "m": torch.zeros(w.shape, dtype=moments), "v": torch.zeros(w.shape, dtype=moments)}
+            s.update({"lo": master_low_bits(w, p)} if kind == "lo" else {"copy": w.bfloat16()} if kind == "copy" else {})
+            out.append(s)
+        return out
+
+    whole, each = state(), state()
+    los, copies = ([s[k] for s in whole] if k in whole[0] else None for k in ("lo", "copy"))
+    lr = torch.tensor(1e-2)
+    # (clip scale, skip) per step; the skipped step does not count
+    for t, (scale, keep) in zip([1, 2, 3, 3, 4], [(2.0, False), (0.5, False), (3.0, True), (None, None), (1.5, False)]):
+        grads = [torch.randn(s).to(whole[0]["p"].dtype) for s in sizes]
+        if keep:
+            grads = [g.fill_(float("inf")) for g in grads]
+            before = [{k: x.clone() for k, x in s.items()} for s in whole]
+        step = torch.tensor(float(t))
+        args = (lr, 0.1, 0.9, 0.95, 1e-8, 1 - 0.9 ** step, (1 - 0.95 ** step).sqrt())
+        with _NoReadBack():
+            eager_master_adamw_update_many([s["p"] for s in whole], grads, los, [s["m"] for s in whole],
+                                           [s["v"] for s in whole], *args, None if scale is None else torch.tensor(scale),
+                                           None if keep is None else torch.tensor(keep), copies=copies)
+        for s, g in zip(each, grads):
+            eager_master_adamw_update(s["p"], g, s.get("lo"), s["m"], s["v"], *args, torch.tensor(scale or 1.0),
+                                      torch.tensor(bool(keep)), s.get("copy"))
+        assert _same_bits(whole, each), t
+        if keep:
+            assert _same_bits(whole, before)
+    for s, w in zip(whole, masters):  # it moved; each bf16 copy or parameter is its master's rounding
+        master = join_master(s["p"], s["lo"]) if kind == "lo" else s["p"]
+        assert w.numel() == 0 or not torch.equal(master, w)
+        assert kind == "own" or torch.equal(s.get("copy", s["p"]), master.bfloat16())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -103,10 +103,11 @@ def test_master_adamw_step_allocates_nothing(extra):
 
 
 def test_unfused_master_adamw_step_holds_its_intermediates():
-    """optimizer.fused=false runs MasterAdamW's eager update on the GPU too, op by op: its fp32
-    intermediates (several copies of the largest parameter at once) are part of the step's peak there,
-    and so of the estimate (a 1 x H200 run of LLaMA 1.36B held 1.31 GiB more than the fused one's
-    estimate: about five copies of its 32000 x 2304 output layer)."""
+    """optimizer.fused=false runs MasterAdamW's eager update on the GPU too, a foreach op at a time over
+    each group's parameters (titanlite.optim.eager_master_adamw_update_many): its fp32 temporaries span
+    a chunk of parameters, at least the largest one, and are part of the step's peak there, and so of
+    the estimate. (When that update ran parameter by parameter, a 1 x H200 run of LLaMA 1.36B held
+    1.31 GiB more than the fused one's estimate: about five copies of its 32000 x 2304 output layer.)"""
     from estimation.fake_run import FakeRun
 
     run = FakeRun(_cfg("--optimizer.fused", "false"), 1)
@@ -115,8 +116,8 @@ def test_unfused_master_adamw_step_holds_its_intermediates():
     finally:
         run.close()
     assert type(run.optimizer).__name__ == "MasterAdamW"
-    largest = max(p.numel() * 4 for p in run.model.parameters())  # the fp32 intermediates of the largest
-    assert r.phase_peak["opt"] - sum(r.model_state.values()) >= 3 * largest
+    largest = max(p.numel() * 4 for p in run.model.parameters())  # an fp32 temporary of the largest
+    assert r.phase_peak["opt"] - sum(r.model_state.values()) >= largest
 
 
 def test_peak_breakdown_and_activation_checkpointing():
