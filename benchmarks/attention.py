@@ -5,8 +5,8 @@
 Shapes are the models' own (titanlite.models): by default LLaMA 1.36B at batch 4 and 8 (18 heads of 128)
 and Qwen3 1.8B at batch 4 (GQA: 16 query, 8 K/V heads of 128), sequence 2048; `--shapes 8b`: LLaMA-3.1-8B
 and Qwen3-8B at batch 2, sequence 8192 (GQA: 32 query, 8 K/V heads of 128), the 8B step's attention. Each backend runs as
-titanlite's model calls it (titanlite.ops.attention): the pinned SDPA kernels get K/V expanded to
-the query heads, flash-attn takes them as they are. TFLOP/s counts causal FLOPs: the forward's two
+titanlite's model calls it (titanlite.ops.attention): cuDNN SDPA and flash-attn take grouped K/V as
+they are, the other pinned SDPA kernels get them expanded to the query heads. TFLOP/s counts causal FLOPs: the forward's two
 matmuls over half the S x S square, 2 * B * Hq * S^2 * D, and the backward 2.5 times that (the
 convention of flash-attention's benchmarks). `first s` is the first call (flash-attn 4 compiles its
 kernels then; cuDNN builds its plan). `auto` (AUTO_ORDER in titanlite/ops/attention.py) is what this
