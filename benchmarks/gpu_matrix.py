@@ -279,7 +279,9 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
         rows = [r for r in rows if any(o in label(r) for o in only)]
     pred = json.loads(predictions.read_text()) if predictions else {"predictions": {}, "hardware": None}
     hw = pred.get("hardware")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    # "-dirty" where the files differ from that commit (a copy of a working tree, say): the record then
+    # names the code by the commit it lands as, not by this one
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     names = launch.gpu_names()
     device = f"{len(names)} x {names[0]}" if names else "no GPU"
