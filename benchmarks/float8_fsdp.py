@@ -199,13 +199,6 @@ def tps(row: Row | None, skip: int) -> float | None:
     return row.result.figures(skip).get("tps_gpu")
 
 
-def optimizer_ms(r: launch.Result, skip: int) -> float | None:
-    """Rank 0's optimizer phase, the median over the steady log steps (titanlite's run log only)."""
-    vals = sorted(e["breakdown"]["ranks"][0]["optimizer_ms"] for e in launch.steady(r.entries, skip)
-                  if e.get("breakdown"))
-    return vals[len(vals) // 2] if vals else None
-
-
 ORDER = {p: i for i, p in enumerate([*PRECISIONS, "float8 rowwise"])}
 
 
@@ -239,7 +232,7 @@ def table(rows: list[Row], versions: list[str], skip: int, predictions: dict | N
         cells = [row.label, str(row.batch), launch.fmt(t, ",.0f"), versus(pred.get("tokens_per_sec_per_gpu"), t, ",.0f"),
                  launch.fmt(f.get("mfu"), ".1f"), launch.fmt(f.get("mem"), ".2f"),
                  versus(pred.get("peak_gib"), f.get("mem"), ".2f"), launch.fmt(f.get("reserved"), ".2f"),
-                 launch.fmt(optimizer_ms(r, skip) if f else None, ".1f"), launch.fmt(f.get("spread"), ".1f"), *ratios,
+                 launch.fmt(f.get("opt_ms"), ".1f"), launch.fmt(f.get("spread"), ".1f"), *ratios,
                  launch.fmt(vs_best, ".3f"), launch.fmt(r.wall_s if r is not None else None, ".0f"), note[:140]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -227,9 +227,7 @@ def run_row(row: dict, ngpus: int, gpus: Gpus, data: str, prediction: dict | Non
     mem_err = (measured - predicted) / predicted if measured is not None and predicted else None
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     falling = finite and losses[-1] < losses[0]
-    steady = launch.steady(res.entries, STEPS // 2)
-    opt = sorted(e["breakdown"]["ranks"][0]["optimizer_ms"] for e in steady if e.get("breakdown"))
-    out.update(optimizer_ms=opt[len(opt) // 2] if opt else None, first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None, steps=len(losses),
+    out.update(optimizer_ms=fig.get("opt_ms"), first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None, steps=len(losses),
                peak_gib=measured, predicted_gib=predicted, memory_error=mem_err, tps_gpu=fig.get("tps_gpu"),
                passed=res.rc == 0 and len(losses) == STEPS and falling and mem_err is not None
                and abs(mem_err) <= MEMORY_TOLERANCE)

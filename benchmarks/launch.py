@@ -365,7 +365,8 @@ def steady(entries: list[dict], skip: int) -> list[dict]:
 def figures(entries: list[dict], skip: int) -> dict:
     """Tokens/s per GPU, MFU and step time by the run log's throughput rule (the steady entries' mean:
     titanlite.metrics.run_log.throughput); peaks of allocated and reserved memory over the whole run
-    (both logs report peaks since start), in GiB. Keys absent from a log are None."""
+    (both logs report peaks since start), in GiB; rank 0's optimizer phase in ms, the median over the
+    steady entries (titanlite's log only). Keys absent from a log are None."""
     from titanlite.metrics.run_log import throughput
 
     if not entries:
@@ -377,8 +378,10 @@ def figures(entries: list[dict], skip: int) -> dict:
         vals = [e[key] for e in entries if e.get(key) is not None]
         return max(vals) if vals else None
 
+    opt = sorted(e["breakdown"]["ranks"][0]["optimizer_ms"] for e in s if e.get("breakdown"))
     return {"tps_gpu": rates["tokens_per_sec_per_gpu"], "mfu": rates["mfu_pct"], "ms": rates["step_ms"],
             "mem": peak("memory_peak_gb"), "reserved": peak("memory_reserved_peak_gb"), "steps": len(s),
+            "opt_ms": opt[len(opt) // 2] if opt else None,
             "spread": spread([e.get("tokens_per_sec_per_gpu") for e in s])}
 
 
@@ -483,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     f = r.figures(a.skip)
     print(f"{a.name}: {r.error or 'ok'} | tok/s/GPU {fmt(f.get('tps_gpu'), ',.0f')} | MFU {fmt(f.get('mfu'), '.1f')}% "
           f"| peak allocated {fmt(f.get('mem'), '.2f')} GiB, reserved {fmt(f.get('reserved'), '.2f')} GiB "
+          f"| optimizer {fmt(f.get('opt_ms'), '.1f')} ms "
           f"| {f.get('steps', 0)} steady log steps | log {WORK / (a.name + '.log')}")
     return 0 if r.error is None else 1
 

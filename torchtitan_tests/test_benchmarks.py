@@ -62,6 +62,11 @@ def test_figures_average_the_steady_state_and_take_peaks_over_the_run():
     assert f["tps_gpu"] == pytest.approx(25_000) and f["mfu"] == pytest.approx(25) and f["steps"] == 2
     assert f["mem"] == 40 and f["reserved"] == 70  # peaks include the warm-up entries
     assert launch.figures([], 10) == {}
+    assert f["opt_ms"] is None  # a log without the step's breakdown (torchtitan's)
+    es = entries(1, 10, 20, 30, 40)
+    for e, ms in zip(es, (90.0, 3.0, 5.0, 4.0, 9.0)):
+        e["breakdown"] = {"ranks": [{"optimizer_ms": ms}, {"optimizer_ms": 1.0}]}
+    assert launch.figures(es, 10)["opt_ms"] == 5.0  # rank 0's median over the steady entries, not the warm-up's
 
 
 def test_step_losses_place_every_optimizer_step():
