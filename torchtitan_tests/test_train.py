@@ -153,7 +153,10 @@ def test_garbage_is_collected_at_the_steps_every_rank_agrees_on(tmp_cache, monke
     gc.enable()  # as a process starts (another test may have left it off)
     cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "7", "--training.seq_len", "16",
                        "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
-                       str(tmp_cache), "--metrics.progress_bar=false", "--training.gc_interval", str(interval)])
+                       str(tmp_cache), "--metrics.progress_bar=false", "--training.gc_interval", str(interval),
+                       # no loader workers: the monkeypatched step keeps this Trainer in a reference cycle, and
+                       # workers left to the collector cost 5 s each to join wherever it next runs
+                       "--data.num_workers", "0"])
     t = Trainer(cfg)
     seen, train_step = [], t.train_step
     collected = []
@@ -175,7 +178,7 @@ def test_a_failing_step_leaves_pythons_garbage_collector_on(tmp_cache, monkeypat
     gc.enable()
     cfg = load_config(["--training.dataset", "synthetic", "--training.steps", "4", "--training.seq_len", "16",
                        "--training.local_batch_size", "2", "--validation.enable=false", "--job.dump_folder",
-                       str(tmp_cache), "--metrics.progress_bar=false"])
+                       str(tmp_cache), "--metrics.progress_bar=false", "--data.num_workers", "0"])
     t = Trainer(cfg)
 
     def failing_step():
