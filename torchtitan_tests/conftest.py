@@ -30,14 +30,16 @@ def spawn(fn, args: tuple = (), nprocs: int = 2) -> None:
     nothing run) and starts in this process's environment and folder, as a spawned one does."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), args), nprocs=nprocs, join=True,
+    mp.start_processes(_as_spawned, args=(fn, dict(os.environ), os.getcwd(), args), nprocs=nprocs, join=True,
                        start_method="forkserver")
 
 
-def _as_spawned(rank: int, fn, environ: dict, args: tuple) -> None:
-    # the fork server's environment is the one it started with; a spawned process gets the caller's now
+def _as_spawned(rank: int, fn, environ: dict, folder: str, args: tuple) -> None:
+    # the fork server's environment and folder are the ones it started with; a spawned process gets the
+    # caller's now
     os.environ.clear()
     os.environ.update(environ)
+    os.chdir(folder)
     fn(rank, *args)
 
 
