@@ -43,6 +43,16 @@ def _as_spawned(rank: int, fn, environ: dict, folder: str, args: tuple) -> None:
     fn(rank, *args)
 
 
+def concurrently(*calls):
+    """Each zero-argument call's result, in order, the calls run two at a time: for independent commands
+    whose processes are mostly their single-threaded start-up, which leaves the second core idle when
+    they run one after another. An exception in a call is raised here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
