@@ -8,6 +8,7 @@ data-delay hook (it sleeps, so it changes no number) to leave time to kill or si
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,17 +92,26 @@ def wait_for(predicate, proc, timeout: float = 180.0) -> None:
         time.sleep(0.1)
 
 
-def test_kill9_resume_is_bit_exact(tmp_cache):
+FSDP = ("--parallelism.data_parallel", "fsdp", "--data.num_workers", "1")  # a loader worker's state too
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """fsdp on 2 ranks, 8 steps, a checkpoint every 2 steps, all kept: the run the kill -9 resume is held
+    to and the one the rollback starts from (each test copies it); its folder and {step: loss}."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run(torchrun(*args(folder, *FSDP)))
+    expected = losses_by_step(run_logs(folder)[0])
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    return folder, expected
+
+
+def test_kill9_resume_is_bit_exact(tmp_cache, uninterrupted):
     """fsdp on 2 ranks: kill -9 after the step-4 checkpoint, run the same command again; every loss after
     the resume equals the uninterrupted run's bit for bit."""
-    ref = tmp_cache / "uninterrupted"
-    run(torchrun(*args(ref, "--parallelism.data_parallel", "fsdp", "--data.num_workers", "1")))
-    expected = losses_by_step(run_logs(ref)[0])
-    assert sorted(expected) == list(range(1, STEPS + 1))
-
+    _, expected = uninterrupted
     folder = tmp_cache / "killed"
-    cmd = torchrun(*args(folder, "--parallelism.data_parallel", "fsdp", "--data.num_workers", "1",
-                         "--debug.inject_data_delay_ms", "300"))
+    cmd = torchrun(*args(folder, *FSDP, "--debug.inject_data_delay_ms", "300"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: (folder / "checkpoint" / "step-4" / "complete.json").exists(), proc)
     signal_job(proc.pid, signal.SIGKILL)  # agent, both ranks and their loader workers: no chance to clean up
@@ -164,20 +174,20 @@ def test_sigterm_saves_loadable_checkpoint(tmp_cache):
     t.close()
 
 
-def test_rollback_and_damage_with_two_ranks(tmp_cache):
+def test_rollback_and_damage_with_two_ranks(tmp_cache, uninterrupted):
     """fsdp on 2 ranks: load_step=4 moves steps 6 and 8 aside (rank 0 moves them, rank 1 waits) and
     trains them again bit for bit. Then a file that rank 1 checks (the ranks share the checksum
     reading) is damaged in the new step-8: both ranks skip it, resume step-6 and train 7 and 8 again,
     with the same losses."""
     def cmd(*extra):
-        return torchrun(*args(tmp_cache, "--parallelism.data_parallel", "fsdp", *extra))
+        return torchrun(*args(tmp_cache, *FSDP, *extra))
 
-    run(cmd())
+    # the uninterrupted run as if it had run here: its checkpoints and run log (stamped seconds before, at its start)
+    shutil.copytree(uninterrupted[0], tmp_cache, dirs_exist_ok=True)
     first = losses_by_step(run_logs(tmp_cache)[0])
     root = tmp_cache / "checkpoint"
     assert {"rank_0.json", "rank_1.json", "rank_0.safetensors", "rank_1.safetensors"} <= {
         p.name for p in (root / "step-8").iterdir()}
-    time.sleep(1.1)  # run logs are stamped to the second
 
     r = run(cmd("--checkpoint.load_step", "4"))
     aside = list(root.glob("abandoned-*"))

@@ -16,7 +16,7 @@ from titanlite.config import ConfigError, load_config
 from titanlite.data import build_data, loader
 from titanlite.data.shards import ShardWriter, read_meta
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, spawn
 
 SEQ = 8
 TOKENS = 20_000  # arange fits uint16; shards of 4001 tokens end mid-window, so windows never cross them
@@ -155,7 +155,7 @@ def test_exact_resume_two_ranks_gloo(arange_data, tmp_path):
         take(it, 5)
         torch.save(it.state_dict(), tmp_path / f"state{r}.pt")
         expected.append(take(it, 50))
-    torch.multiprocessing.spawn(_resume_rank, args=(free_port(), str(arange_data), str(tmp_path)), nprocs=2)
+    spawn(_resume_rank, args=(free_port(), str(arange_data), str(tmp_path)), nprocs=2)
     for r in range(2):
         assert_same(torch.load(tmp_path / f"got{r}.pt"), expected[r])
 

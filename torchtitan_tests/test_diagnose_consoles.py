@@ -17,7 +17,7 @@ from titanlite.diagnose import Settings, diagnose
 from titanlite.diagnose.readers import read
 from titanlite.metrics.run_log import RunLogError, load
 
-from conftest import ROOT
+from conftest import ROOT, concurrently
 
 TOKENS_PER_GPU_STEP = 4 * 2048
 JITTER = (0.004, -0.003, 0.002, -0.002, 0.001, -0.002)
@@ -56,19 +56,35 @@ def titanlite_console(path, per_gpu: float, mode: str, world: int):
     return path
 
 
+def diagnose_pair(folder, library: str, mode: str):
+    """diagnose's command on the record's 1 -> 4 GPU pair of `library` in `mode`, written as its console
+    prints it: (its result, its --out folder)."""
+    one, four = RECORD[library, mode]
+    write = titanlite_console if library == "titanlite" else torchtitan_log
+    logs = [write(folder / f"{n}.log", rate, mode, n) for n, rate in ((1, one), (4, four))]
+    out = folder / "out"
+    r = subprocess.run([sys.executable, "-m", "titanlite.diagnose", *map(str, logs), "--gpus", "1,4", "--local-batch",
+                        "4", "--seq-len", "2048", "--model", "llama/1.36B", "--hardware", "h100", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return r, out
+
+
+@pytest.fixture(scope="module")
+def diagnosed_pairs(tmp_path_factory):
+    """diagnose_pair for every pair of the record, two commands at a time (each is mostly its process's
+    start-up)."""
+    folders = {key: tmp_path_factory.mktemp("pair") for key in sorted(RECORD)}
+    return dict(zip(folders, concurrently(*[lambda key=key: diagnose_pair(folders[key], *key) for key in folders])))
+
+
 @pytest.mark.parametrize("library,mode", sorted(RECORD))
-def test_a_loss_beyond_the_model_is_not_healthy(tmp_path, library, mode):
+def test_a_loss_beyond_the_model_is_not_healthy(diagnosed_pairs, library, mode):
     """torchtitan's 1 -> 4 GPUs keep 83-92% of one GPU where the model, world size and NVLink predict nearly
     all of it: a scaling loss, naming the ms and share lost, the collectives' most with none hidden and
     what that leaves, and that step lines cannot split it. titanlite's own, within the prediction's margin:
     healthy. (Every pair is above the fixed 80% that once passed for healthy.)"""
     one, four = RECORD[library, mode]
-    write = titanlite_console if library == "titanlite" else torchtitan_log
-    logs = [write(tmp_path / f"{n}.log", rate, mode, n) for n, rate in ((1, one), (4, four))]
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "titanlite.diagnose", *map(str, logs), "--gpus", "1,4", "--local-batch",
-                        "4", "--seq-len", "2048", "--model", "llama/1.36B", "--hardware", "h100", "--out", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r, out = diagnosed_pairs[library, mode]
     assert r.returncode == 0, r.stderr
     verdict = r.stdout.splitlines()[0]
     rep = json.loads((out / "report.json").read_text())

@@ -18,7 +18,7 @@ from titanlite.diagnose.reconstruct import MISREPORTS
 from titanlite.hardware import by_key
 from titanlite.models import get_model_args
 
-from conftest import ROOT
+from conftest import ROOT, concurrently
 
 ARGS = get_model_args("llama", "1.36B")
 SEQ, LOCAL = 2048, 16
@@ -352,23 +352,29 @@ def run_cli(*args):
 
 def test_flags_supply_and_override_and_are_marked(tmp_path):
     """torchtitan logs lack the world size: without --gpus, one line naming the flag; with it, the
-    report marks the values that came from the command line. A flag also overrides what a log says."""
+    report marks the values that came from the command line. A flag also overrides what a log says.
+    (The seven commands are independent and run two at a time.)"""
     runs = pair(tmp_path, "torchtitan", set())
     paths = [str(p) for p, _ in runs]
-    r = run_cli(*paths, "--out", str(tmp_path / "x"))
+    # the H100 of the titanlite log replaced by an H200: same peak, the override is recorded
+    t = pair(tmp_path, "titanlite", set())
+    bads = ((["--gpus", "2,8,4"], "one per log"), (["--hardware", "tpu"], "not in titanlite's GPU table"),
+            (["--model", "gpt/9B"], "not a registered model"), (["--seq-len", "0"], "positive integer"))
+    asked, flagged, h200, *refused = concurrently(
+        lambda: run_cli(*paths, "--out", str(tmp_path / "x")),
+        lambda: run_cli(*paths, "--gpus", "2,8", "--local-batch", "16", "--seq-len", "2048", "--model", "llama/1.36B",
+                        "--out", str(tmp_path / "o")),
+        lambda: run_cli(*[str(p) for p, _ in t], "--hardware", "h200", "--out", str(tmp_path / "h")),
+        *[lambda bad=bad: run_cli(*paths, *bad, "--out", str(tmp_path / "x")) for bad, _ in bads])
+    r = asked
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --gpus" in r.stderr and paths[0] in r.stderr
-    r = run_cli(*paths, "--gpus", "2,8", "--local-batch", "16", "--seq-len", "2048", "--model", "llama/1.36B",
-                "--out", str(tmp_path / "o"))
+    r = flagged
     assert r.returncode == 0 and r.stdout.startswith("verdict: healthy"), r.stdout + r.stderr
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
     assert rep["reconstruction"]["runs"][1]["overrides"]["world_size"] == {"log": None, "flag": 8}
     assert "(flag)" in (tmp_path / "o" / "report.md").read_text()
-    # the H100 of the titanlite log replaced by an H200: same peak, the override is recorded
-    t = pair(tmp_path, "titanlite", set())
-    r = run_cli(*[str(p) for p, _ in t], "--hardware", "h200", "--out", str(tmp_path / "h"))
+    r = h200
     got = json.loads((tmp_path / "h" / "report.json").read_text())["reconstruction"]["runs"][0]
     assert r.returncode == 0 and got["overrides"]["hardware"] == {"log": H100.device_name, "flag": "NVIDIA H200"}
-    for bad, needle in ((["--gpus", "2,8,4"], "one per log"), (["--hardware", "tpu"], "not in titanlite's GPU table"),
-                        (["--model", "gpt/9B"], "not a registered model"), (["--seq-len", "0"], "positive integer")):
-        r = run_cli(*paths, *bad, "--out", str(tmp_path / "x"))
+    for r, (_, needle) in zip(refused, bads):
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from titanlite.diagnose import diagnose
 
-from conftest import free_port
+from conftest import free_port, spawn
 
 BASE = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "4",
         "--training.steps", "10", "--metrics.log_freq", "2", "--validation.enable=false", "--data.num_workers", "0",
@@ -65,7 +64,7 @@ def logs(tmp_path_factory):
     out = {}
     for world, jobs in JOBS.items():
         todo = [(str(root / name), extra) for name, extra in jobs.items()]
-        mp.spawn(_worker, args=(world, free_port(), todo), nprocs=world, join=True)
+        spawn(_worker, args=(world, free_port(), todo), nprocs=world)
         for name in jobs:
             (out[name],) = (root / name).glob("run_*.json")
     return out

@@ -22,7 +22,7 @@ from titanlite.diagnose.reconstruct import model_args
 from titanlite.hardware import lookup
 from titanlite.metrics.run_log import RunLogError
 
-from conftest import ROOT
+from conftest import ROOT, concurrently
 
 FOLDER = ROOT / "torchtitan_tests" / "data" / "diagnose" / "torchtitan"
 NAME = re.compile(r"^(?P<origin>constructed|real)_(?P<version>\d+\.\d+\.\d+)_(?P<gpus>\d+)gpu_(?P<mode>fsdp|ddp)"
@@ -65,11 +65,11 @@ def test_whole_output_reads_without_flags(name):
 
 
 @pytest.mark.parametrize("name", RUNSH)
-def test_step_lines_alone_ask_for_the_world_size(tmp_path, name):
+def test_step_lines_alone_ask_for_the_world_size(commands, name):
     """run.sh passes on step lines only: no line says the world size, so diagnose asks for it (one line,
     exit 2) and reads the log once it is given."""
     gpus = LOGS[name]["gpus"]
-    r = cli(FOLDER / name, "--out", tmp_path / "out")
+    r, _ = commands[name]
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --gpus" in r.stderr, r.stderr
     log = read(FOLDER / name, Settings(gpus=int(gpus), local_batch=4, seq_len=2048))
     assert log.config["world_size"] == int(gpus) and log.overrides["world_size"] == (None, int(gpus))
@@ -85,13 +85,24 @@ def pairs():
     return out
 
 
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The commands of the run.sh-log and pair tests, run two at a time (each is mostly its start-up):
+    {name: (its result, its --out folder)} for each run.sh log alone and each pair of whole logs."""
+    todo = {name: [FOLDER / name] for name in RUNSH}
+    todo |= {(p.values[0], p.values[1]): [FOLDER / p.values[0], FOLDER / p.values[1]] for p in pairs()}
+    outs = {key: tmp_path_factory.mktemp("diagnose") / "out" for key in todo}
+    results = concurrently(*[lambda key=key: cli(*todo[key], "--out", outs[key]) for key in todo])
+    return {key: (r, outs[key]) for key, r in zip(todo, results)}
+
+
 @pytest.mark.parametrize("one,two", pairs())
-def test_one_and_two_gpus_diagnosed_without_flags(tmp_path, one, two):
+def test_one_and_two_gpus_diagnosed_without_flags(commands, one, two):
     """The pair gives a report with no flag: world sizes, model and GPU from the logs, each log read as
     it says (torchtitan's MFU is titanlite's convention on the same dense peak)."""
-    r = cli(FOLDER / one, FOLDER / two, "--out", tmp_path)
+    r, out = commands[one, two]
     assert r.returncode == 0, r.stderr
-    rep = json.loads((tmp_path / "report.json").read_text())
+    rep = json.loads((out / "report.json").read_text())
     runs = rep["reconstruction"]["runs"]
     assert [x["gpus"] for x in runs] == [1, 2] and all(x["overrides"] == {} for x in runs)
     assert "--gpus" not in rep["settle_with"] and "--model" not in rep["settle_with"]

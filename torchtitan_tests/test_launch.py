@@ -353,9 +353,10 @@ def fake_gpus(folder, n: int = 2) -> dict:
 
 def test_run_train_sh_refuses_a_run_predicted_not_to_fit(tmp_path):
     """Two ranks start on the CPU; the prediction beside them (two H100s as nvidia-smi names them,
-    usable memory shrunk) stops them: one line, exit code 2, no rank left behind."""
+    usable memory shrunk) stops them: one line, exit code 2, no rank left behind. The ranks mostly wait
+    for their data (1 s a step), leaving the cores to the prediction they wait on."""
     r = run_train(tmp_path, *TINY, "--training.seq_len", "256", "--training.local_batch_size", "16",
-                  "--training.steps", "1000", "--debug.inject_data_delay_ms", "100", *SMALL_GPU,
+                  "--training.steps", "1000", "--debug.inject_data_delay_ms", "1000", *SMALL_GPU,
                   "--job.dump_folder", str(tmp_path / "out"), ngpu=2, env=fake_gpus(tmp_path))
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]

@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.utils._python_dispatch
 
@@ -26,7 +25,7 @@ from titanlite.optim import MasterAdamW
 from titanlite.step import StepHooks
 from titanlite.train import Trainer
 
-from conftest import free_port, gloo_rank
+from conftest import free_port, gloo_rank, spawn
 from test_checkpoint import args as ckpt_args, losses
 from test_parallel import base_args, step_losses
 
@@ -229,7 +228,7 @@ def test_ddp_and_zero1_match_one_process(tmp_path):
     on its owner with the same MasterAdamW and refreshes the other ranks' copies: ddp's losses. The
     losses agree with the single process as closely as autocast's own (bf16 runs drift apart by
     up to about 4e-4 in 8 steps at this lr from last-bit differences)."""
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     r = json.loads((tmp_path / "results.json").read_text())
     _, single = run_single(tmp_path / "single", 4, *BF16, *ACCUM)
     reference = Trainer(load_config(base_args(tmp_path / "single_grads", 4, *BF16, *ACCUM)))
@@ -295,7 +294,7 @@ def test_ddp_masters_reduce_in_their_buckets(tmp_path):
     first step on: while a no_sync micro-step accumulates, the only gradients outside the buckets are
     the other parameters' (set to None after each update, a fresh tensor each step), never a second
     copy of the masters'. The losses stay the single process's (test_ddp_and_zero1_match_one_process)."""
-    mp.spawn(_bucket_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_bucket_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["copied"] == []
     assert r["outside"] == [r["others"]] * 4

@@ -14,12 +14,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titanlite.config import ConfigError, load_config
 from titanlite.train import Trainer
 
-from conftest import ROOT, free_port, gloo_rank
+from conftest import ROOT, free_port, gloo_rank, spawn
 
 STEPS = 8
 
@@ -145,7 +144,7 @@ def test_reference_learns(reference):
 
 
 def test_data_parallel_modes_match_single_process(reference, tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path), DIST_RUNS), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(tmp_path), DIST_RUNS), nprocs=2)
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results) == set(DIST_RUNS)
     # each mode really ran as itself: what a rank holds of the parameters and the AdamW state, the mesh
@@ -436,7 +435,7 @@ def test_fsdp_float8_weights_reach_the_fused_update_as_plain_tensors(tmp_path):
     torch's unfused AdamW does (to 1e-3: the two clip and update in different orders, and float8's
     rounding of the weights carries a last-bit difference on into the next step's loss). The scales set
     after each step for the next float8 all-gather are torchao's."""
-    mp.spawn(_fsdp_float8_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_fsdp_float8_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     r = json.load(open(tmp_path / "results.json"))
     assert r["true"]["optimizer"] == "MasterAdamW" and r["false"]["optimizer"] != "MasterAdamW"
     assert all(all(h) for h in r["true"]["held"]), r["true"]["held"]
@@ -476,7 +475,7 @@ def test_ddp_keeps_no_gradient_view_through_its_bucket_rebuild(tmp_path):
     step's forward and frees the old ones first unless a gradient still views them, which would hold the
     gradients' size twice. Steps of several micro-steps keep them (their no_sync micro-steps would grow a
     gradient beside the buckets otherwise)."""
-    mp.spawn(_ddp_release_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_ddp_release_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = json.load(open(tmp_path / "results.json"))
     single, accumulated = results["single0"], results["accumulated0"]
     assert [s["rebuilt"] for s in single] == [s["rebuilt"] for s in accumulated] == [False, True, True]
@@ -606,7 +605,7 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel=ddp: "
         "only fsdp and hsdp gather parameters"]
-    mp.spawn(_copy_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_copy_engine_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         lines = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert lines["on"] == "parallelism.fsdp_copy_engine_all_gather=on needs CUDA GPUs and NCCL, not cpu with gloo"
@@ -719,7 +718,7 @@ def test_owner_sum_is_the_float32_reduce_scatter_at_half_the_bytes(tmp_path):
     """OwnerSumReduceScatter on 4 ranks: the input FSDP asks for comes back bf16 (the bytes that cross), the
     output float32, and the shard each rank sums is the float32 reduce-scatter of the same bf16 values up to
     the order of the additions (values spread over seven orders of magnitude)."""
-    mp.spawn(_owner_sum_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    spawn(_owner_sum_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results) == 2
     for r in results.values():
@@ -778,7 +777,7 @@ def test_hsdp_replicas_all_reduce_what_the_bf16_transport_reduced(tmp_path):
     hsdp = ["--parallelism.data_parallel", "hsdp", "--parallelism.replicate_degree", "2",
             "--training.mixed_precision_param", "bfloat16", "--parallelism.fsdp_gradient_transport"]
     runs = {"nccl": (2, hsdp + ["reduce_dtype"]), "transport": (2, hsdp + ["bfloat16"])}
-    mp.spawn(_worker, args=(4, free_port(), str(tmp_path), runs), nprocs=4, join=True)
+    spawn(_worker, args=(4, free_port(), str(tmp_path), runs), nprocs=4)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["transport"]["mesh"] == results["nccl"]["mesh"] == [2, 2]
     assert results["transport"]["losses"] == results["nccl"]["losses"]
@@ -863,7 +862,7 @@ def test_every_collective_takes_its_group_from_the_mesh(tmp_path):
     and the log step's breakdown over the job's ranks on the host; no titanlite collective falls back to
     the default group; the copy-engine decision is agreed over the mesh's ranks. zero1 on the same mesh shards its AdamW state over the replicate dimension that
     its DDP averages over."""
-    mp.spawn(_mesh_groups_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True)
+    spawn(_mesh_groups_worker, args=(4, free_port(), str(tmp_path)), nprocs=4)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["mesh0"] == {"dp_replicate": [0, 2], "dp_shard": [0, 1]}
     every = "[0, 1, 2, 3]"

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from titanlite.config import load_config
 from titanlite.train import Trainer
 
-from conftest import free_port, gloo_rank
+from conftest import free_port, gloo_rank, spawn
 from test_parallel import base_args, step_losses
 
 pytestmark = pytest.mark.slow
@@ -48,7 +47,7 @@ def test_sharded_modes_step_their_shards_with_master_adamw(tmp_path):
     assert type(single.optimizer).__name__ == "AdamW"  # one process: torch's AdamW, the reference
     assert max(ref_norms) > 0.5  # the clip scales some steps
     single.close()
-    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = json.loads((tmp_path / "results.json").read_text())
     for name, r in results.items():
         assert r["optimizer"] == "MasterAdamW", name

@@ -13,7 +13,7 @@ from titanlite.metrics.run_log import steady, summarize
 from titanlite.tools import compare
 from titanlite.train import Trainer
 
-from conftest import ROOT
+from conftest import ROOT, concurrently
 
 # Verbatim from the seeds' mfu_testing_guide_qwen3.md ("Quick Stats", "Compare All Runs"); the tests
 # substitute only the folder name 'out-qwen3-1.8b'.
@@ -264,7 +264,15 @@ def test_a_missing_optional_package_is_one_line_naming_what_to_install(blocked, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.parquet"]  # nothing written
 
 
+@pytest.fixture(scope="module")
+def helps_without_the_optional_packages():
+    """{module: `python -m module --help` without the optional packages} for every entry point, two
+    commands at a time (each is mostly its process's start-up)."""
+    return dict(zip(ENTRY_POINTS, concurrently(*[lambda m=m: _run_without(OPTIONAL_MODULES, m, "--help")
+                                                 for m in ENTRY_POINTS])))
+
+
 @pytest.mark.parametrize("module", ENTRY_POINTS)
-def test_every_command_starts_without_the_optional_packages(module):
-    r = _run_without(OPTIONAL_MODULES, module, "--help")
+def test_every_command_starts_without_the_optional_packages(helps_without_the_optional_packages, module):
+    r = helps_without_the_optional_packages[module]
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import os
 import sysconfig
 from pathlib import Path
 
@@ -26,7 +27,13 @@ logger = logging.getLogger("titanlite")
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
-    files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    found = []
+    # the skipped folders are not walked at all (site-packages alone can hold ~100k files); symlinked
+    # folders are listed but not entered, as Path.rglob does
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(folder, n) for n in names if n.endswith(".py") and n not in skip]
+    files = sorted(found)
     out, total = [], 0
     for p in files:
         size = p.stat().st_size
