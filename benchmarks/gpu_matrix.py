@@ -321,7 +321,7 @@ def sweep_rows() -> list[dict]:
     return rows
 
 
-def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str) -> dict:
+def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str, timeout: float = ROW_TIMEOUT) -> dict:
     ranks, opts = options(row, ngpus)
     opts += [*SWEEP_MODEL, "--training.local_batch_size", "4", "--training.global_batch_size",
              str(4 * ranks * row["accum"]), "--lr_scheduler.warmup_steps", "10", "--optimizer.lr", "3e-4"]
@@ -329,7 +329,7 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str) -> dict:
     name = "sweep_" + label(row)
     ids = gpus.take(ranks)
     try:
-        res = launch.run_train(name, opts, ngpus=ranks, steps=SWEEP_STEPS, log_freq=1, timeout=ROW_TIMEOUT,
+        res = launch.run_train(name, opts, ngpus=ranks, steps=SWEEP_STEPS, log_freq=1, timeout=timeout,
                                env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))})
     finally:
         gpus.give(ids)
@@ -338,12 +338,12 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str) -> dict:
             "losses": losses, "tail": sum(losses[-10:]) / 10 if len(losses) == SWEEP_STEPS else None}
 
 
-def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str]) -> int:
+def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str], timeout: float = ROW_TIMEOUT) -> int:
     """The float8 rows against their bf16 runs; each GPU runs up to `slots` rows at once (small model)."""
     gpus, t0 = Gpus(list(range(ngpus)) * slots), time.time()
     rows = [r for r in sweep_rows() if not only or any(o in "sweep_" + label(r) for o in only)]
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
-        results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, gpus, data)), rows))
+        results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, gpus, data, timeout)), rows))
     ref = {(r["mode"], r["accum"]): r["tail"] for r in results if r["precision"] == "bf16"}
     lines = [f"float8 under fsdp/hsdp against bf16, LLaMA 134M, {SWEEP_STEPS} steps on real text, "
              f"{time.time() - t0:.0f} s", "", "| run | result | mean loss, last 10 steps | vs bf16 | s |",
@@ -377,7 +377,7 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated substrings of row labels")
     p.add_argument("--host-gpus", type=int, help="GPUs this host lends the rows (default --ngpus); a wider row "
                    "is listed as not run")
-    p.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT, help="seconds a row may run")
+    p.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT, help="seconds a row (of the matrix or the sweep) may run")
     p.add_argument("--float8-sweep", action="store_true",
                    help="fsdp/hsdp x float8 in every compile/AC/accumulation combination against bf16 (50 steps)")
     p.add_argument("--slots", type=int, default=2, help="--float8-sweep: rows sharing a GPU at once")
@@ -385,12 +385,14 @@ def main() -> int:
     a = p.parse_args()
     if a.ngpus < 2:
         p.error("--ngpus must be at least 2: the multi-GPU modes are half the design")
+    if a.host_gpus is not None and a.host_gpus < 1 or a.row_timeout <= 0:
+        p.error("--host-gpus must be at least 1 and --row-timeout positive")
     if a.design:
         for r in design(a.ngpus):
             print(f"{label(r):70s} {r['expect']}" + (f"  ({r['why']})" if r["why"] else ""))
         return 0
     if a.float8_sweep:
-        return sweep(a.ngpus, a.data, a.out, a.slots, [o for o in a.only.split(",") if o])
+        return sweep(a.ngpus, a.data, a.out, a.slots, [o for o in a.only.split(",") if o], a.row_timeout)
     if a.predict:
         predict(a.ngpus, a.hardware, a.out if a.out.suffix == ".json" else a.out / "gpu_matrix_predictions.json",
                 a.workers, [o for o in a.only.split(",") if o])

@@ -996,3 +996,11 @@ def test_gemm_ceiling_lays_float8_operands_out_as_scaled_mm_takes_them():
         assert a.stride() == (k, 1) and b.stride() == (1, k) and b.dtype == torch.float8_e4m3fn
         a, b, _ = g.operands(gemm, "bf16", x, w, dy)
         assert tuple((a @ b).shape) == (m, n)
+
+
+@pytest.mark.parametrize("bad", [["--host-gpus", "0"], ["--row-timeout", "0"]])
+def test_gpu_matrix_refuses_a_host_of_no_gpus_and_a_row_without_time(bad):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_matrix.py"), "--ngpus", "2", *bad, "--design"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "--host-gpus must be at least 1 and --row-timeout positive")
