@@ -46,6 +46,7 @@ H100_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_h100.toml")
 B200_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_b200.toml")
 QWEN_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_b200.toml")
 QWEN_H100_CFG = os.path.join(ROOT, "train_configs/qwen3_1.8b_1xh100.toml")
+GRAPHS = ["--training.cuda_graphs", "--training.cuda_graphs_warmup", "3"]
 RUN = ["--validation.enable=false", "--checkpoint.enable=false", "--metrics.progress_bar=false",
        "--training.dataset", "synthetic", "--data.num_workers", "0", "--compile.enable"]
 # steady state: the six log steps after step 8 (compile and the profile fall before it); two were too few
@@ -82,6 +83,15 @@ CASES = {
                                      "--parallelism.data_parallel", "ddp"]),
     "ddp2_b4_float8": (2, H100_CFG, ["--training.local_batch_size", "4", "--parallelism.data_parallel", "ddp",
                                      "--float8.enable"]),
+    # float8's GEMMs and casts by the tokens of a micro-step (bf16 beside it at the smallest): at local batch 1
+    # CUDA graphs take the host's launches away (captured after 3 eager steps, before the profile's window)
+    **{f"b{b}_float8{'_graphs' if b == 1 else ''}": (1, H100_CFG, [
+        "--training.local_batch_size", str(b), "--training.global_batch_size", "-1", "--float8.enable",
+        *(GRAPHS if b == 1 else [])]) for b in (1, 2, 16)},
+    "b1_graphs": (1, H100_CFG, ["--training.local_batch_size", "1", "--training.global_batch_size", "-1", *GRAPHS]),
+    "b1_float8_graphs_bf16_moments": (1, H100_CFG, ["--training.local_batch_size", "1", "--training.global_batch_size",
+                                                   "-1", "--float8.enable", *GRAPHS, "--optimizer.moments_dtype",
+                                                   "bfloat16"]),
 }
 
 # Activation checkpointing across both model families (LLaMA: MHA; Qwen3: GQA and QK-norm), compiled, one

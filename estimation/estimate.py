@@ -306,7 +306,7 @@ def estimate(cfg, progress=_progress) -> dict:
         "resolved_config": to_dict(cfg),
     }
     if fits_configured:
-        a = assumptions(est, hw, world, attention, seq_len=cfg.training.seq_len)
+        a = assumptions(est, hw, world, attention, seq_len=cfg.training.seq_len).replayed(cfg.training.cuda_graphs)
         report["throughput"] = {"flops_per_token": flops_per_token,
                                 **predict(res.work, a, accum, tokens_per_step, flops_per_token, world)}
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)

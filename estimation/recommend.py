@@ -227,7 +227,7 @@ def recommend(cfg, progress=_progress) -> dict:
             p = predict(work, a, accum, tokens, flops_per_token, world)["overlap"]
             graphs = False
             if graphs_ok:  # a captured step launches no kernels from the host: worth it only where that binds
-                g = predict(work, dataclasses.replace(a, launch_us=0.0), accum, tokens, flops_per_token, world)["overlap"]
+                g = predict(work, a.replayed(), accum, tokens, flops_per_token, world)["overlap"]
                 graphs = g["tokens_per_sec_per_gpu"] > 1.01 * p["tokens_per_sec_per_gpu"]
                 p = g if graphs else p
             candidates.append(Candidate(knobs, b, accum, graphs, peak, p["tokens_per_sec_per_gpu"], p["mfu_pct"], ""))
@@ -269,7 +269,7 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
                          f"({'fits' if ok else 'does not fit'})")
                 if not ok:
                     continue
-                p = predict(r.work, dataclasses.replace(a, launch_us=0.0) if c.cuda_graphs else a, c.accum,
+                p = predict(r.work, a.replayed(c.cuda_graphs), c.accum,
                             c.local * c.accum * world * seq, flops_per_token, world)
                 c.peak_bytes, c.verified, c.dominant = r.peak_bytes, True, p["dominant"]
                 c.tokens_per_sec_per_gpu, c.mfu_pct = p["overlap"]["tokens_per_sec_per_gpu"], p["overlap"]["mfu_pct"]

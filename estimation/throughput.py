@@ -9,7 +9,8 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
                estimation.compiled.KERNEL_ELEMENT_BYTES) / (HBM x fused_efficiency)
   optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
   gaps         kernels x gap_us, the GPU's idle time between dependent kernels
-and never less than the host's launch time (kernels x launch_us). Collectives, their overlap with
+and never less than the host's launch time (kernels x launch_us; none for a step replayed as a CUDA
+graph). Collectives, their overlap with
 forward/backward and what they take from the compute beside them are priced by
 titanlite.parallel.comm_model, the communication model diagnose shares: ring traffic / (bandwidth x
 link_efficiency) over the links they cross (estimate.inter_node_gbps between nodes), hidden behind the
@@ -24,7 +25,7 @@ fraction of that GPU's peak; any `estimate.*_efficiency` / `estimate.launch_us` 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from titanlite.models.args import mfu_pct
 
@@ -57,6 +58,11 @@ class Assumptions:
     # kind of collective -> ms of extra compute per ms of that collective hidden behind compute
     beside_collectives: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)  # rate -> where its value comes from (and when)
+
+    def replayed(self, cuda_graphs: bool = True) -> "Assumptions":
+        """The rates of a step replayed as a CUDA graph (training.cuda_graphs): the host launches none of
+        its kernels, so the launch term goes; the GPU's gaps between dependent kernels stay."""
+        return replace(self, launch_us=0.0) if cuda_graphs else self
 
 
 def assumptions(est, hw: Hardware, world: int, attention_backend: str, calibration: dict | None = None,

@@ -234,6 +234,7 @@ class CudaGraphStep:
         self.static_out: tuple[torch.Tensor, torch.Tensor] | None = None
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.calls = 0  # steps run by this process: warm-up restarts on resume
+        self.captures = 0  # capture attempts: the step that captures runs far slower than a replay
 
     @staticmethod
     def available(device: torch.device) -> tuple[bool, str]:
@@ -314,6 +315,7 @@ class CudaGraphStep:
     def step(self, batches) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run one captured step on `batches`; None when capture failed (then run them eagerly)."""
         if self.graph is None:
+            self.captures += 1
             error = None
             try:
                 self._capture(batches)

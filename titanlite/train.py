@@ -81,6 +81,7 @@ class LogPoint:
     since: Any                 # the mark the interval starts at
     excluded_s: float          # time inside the interval that is not training (validation, saves, traces)
     done: Any                  # the mark after this step and the copy to `values`
+    warmup: bool = False       # the interval holds a CUDA-graph capture: its times are not the run's
 
 
 class GarbageCollector:
@@ -231,6 +232,7 @@ class Trainer:
         self.step = build_train_step(model, self.optimizer, cfg, self.grad_accum, self.dims, self.masters)
         self.cuda_graph = CudaGraphStep.build(cfg.training.cuda_graphs, self.step, self.device,
                                               cfg.training.cuda_graphs_warmup, self.dims.mode, self.dims.is_main)
+        self.captures_logged = 0  # capture attempts up to the last log step (the next one spanning one is warm-up)
         self.timer = StepTimer(self.device, model)  # phases + gradient-ready hooks for exposed comm
         self.faults = FaultInjector(cfg.debug, self.dims.rank)
         self.hooks = TimedHooks(self.timer, self.faults)
@@ -387,9 +389,10 @@ class Trainer:
         st.losses.clear()
         if values.is_cuda:
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
+        captures = self.cuda_graph.captures if self.cuda_graph is not None else 0
         point = LogPoint(st.step, self.step_lr, st.tokens_seen, steps, values, self.timer.take(), self.interval_start,
-                         self.excluded_s, self.timer.mark())
-        self.interval_start, self.excluded_s = point.done, 0.0
+                         self.excluded_s, self.timer.mark(), warmup=captures != self.captures_logged)
+        self.interval_start, self.excluded_s, self.captures_logged = point.done, 0.0, captures
         return point
 
     def finish_log(self, point: LogPoint) -> None:
@@ -399,7 +402,7 @@ class Trainer:
         check_finite(step_losses, point.step, self.cfg.training.on_nan)
         elapsed_s = self.timer.elapsed_ms(point.since, point.done) / 1000 - point.excluded_s
         self.report.log_step(point.step, step_losses, point.lr, grad_norm, elapsed_s, point.steps,
-                             point.tokens_seen, self.timer.collect(point.marks), self.timer.method)
+                             point.tokens_seen, self.timer.collect(point.marks), self.timer.method, point.warmup)
 
     def check_finite_losses(self) -> None:
         """With on_nan=stop, raise naming the first non-finite step since the last log step (the steps'

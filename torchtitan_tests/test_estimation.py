@@ -945,3 +945,16 @@ def test_accumulated_ddp_steps_hold_the_bucket_rebuild():
     assert accumulated.peak_bytes >= sum(accumulated.model_state.values()) + grads
     assert sum(accumulated.breakdown.values()) == accumulated.peak_bytes
     assert single.peak_bytes < sum(single.model_state.values()) + grads
+
+
+def test_a_replayed_step_launches_nothing_from_the_host():
+    """training.cuda_graphs: the estimate prices the step the run replays, as recommend does: the host's
+    launches (which bind a small model at local batch 1) go; memory and the GPU's own terms stay."""
+    eager = _estimate("--training.local_batch_size", "1")
+    graphs = _estimate("--training.local_batch_size", "1", "--training.cuda_graphs")
+    te, tg = eager["throughput"]["terms_ms"], graphs["throughput"]["terms_ms"]
+    assert te["launch"] > 0 and tg["launch"] == 0
+    assert {k: v for k, v in te.items() if k != "launch"} == {k: v for k, v in tg.items() if k != "launch"}
+    assert graphs["memory"]["peak_gib"] == eager["memory"]["peak_gib"]
+    assert (graphs["throughput"]["overlap"]["step_ms"]
+            == pytest.approx(eager["throughput"]["overlap"]["step_ms"] - te["launch"], abs=0.01))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config import ConfigError, load_config
+from titanlite.metrics import run_log
 from titanlite.train import Trainer
 
 from conftest import ROOT, free_port, gloo_rank, spawn
@@ -514,6 +515,10 @@ def test_forced_capture_failure_falls_back_cleanly(reference, tmp_path, caplog, 
     assert attempts == [1]  # one attempt, after 3 warm-up steps
     assert notes == ["CUDA graph capture failed (RuntimeError: forced capture failure); continuing without CUDA graphs"]
     assert step_losses(t) == pytest.approx(reference, rel=1e-5)
+    # the log entry holding the capture step is warm-up, whatever the steady rule's cutoff
+    its = t.run_log.data["training_iterations"]
+    assert [e["iter"] for e in its if e.get("warmup")] == [4]
+    assert 4 not in [e["iter"] for e in run_log.steady(its, warmup_steps=0).entries]
 
 
 def test_cuda_graphs_refuse_fsdp_naming_why():

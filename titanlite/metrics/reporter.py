@@ -102,9 +102,11 @@ class Reporter:
         self.console.info(line)
 
     def log_step(self, step: int, step_losses: list[float], lr: float, grad_norm: float, elapsed_s: float,
-                 steps: int, tokens_seen: int, phases: dict[str, float | None], timing_method: str) -> None:
+                 steps: int, tokens_seen: int, phases: dict[str, float | None], timing_method: str,
+                 warmup: bool = False) -> None:
         """One log entry over the `steps` optimizer steps since the last one (all ranks call it);
-        `phases` is StepTimer.collect's figures over those steps."""
+        `phases` is StepTimer.collect's figures over those steps; `warmup` marks an interval the
+        steady state leaves out whatever its step (one holding a CUDA-graph capture)."""
         f = self.facts
         time_ms = elapsed_s / steps * 1000
         tps = f.tokens_per_step / (time_ms / 1000)
@@ -120,6 +122,7 @@ class Reporter:
             "tflops": tps * f.flops_per_token / 1e12,
             "mfu": mfu_pct(tps, f.flops_per_token, f.world_size, f.peak_tflops),
             "tokens_seen": tokens_seen,
+            **({"warmup": True} if warmup else {}),
         }
         entry.update(memory_stats(f.device))
         self._warn_on_cache_releases(entry.get("alloc_retries"))
