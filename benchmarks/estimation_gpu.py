@@ -5,7 +5,8 @@ batch, a kernel profile.
                                                          # and the recommendation's top pick
     python benchmarks/estimation_gpu.py --gpus 2         # 2 GPUs: each mode at local 4 and 16, Qwen3 fsdp, ddp with
                                                          # accumulation and with float8 (--gpus 4: the first two, on 4)
-    python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only
+    python benchmarks/estimation_gpu.py --only b8,b4     # chosen cases only (also FLOAT8_TOKENS': float8 at
+                                                         # local batch 1 to 16, profiled with --profiled)
     python benchmarks/estimation_gpu.py --gpus 2 --only fsdp2_b4 --profiled fsdp2_b4   # and their kernel profile
     python benchmarks/estimation_gpu.py --ac-sweep       # 1 GPU: activation checkpointing none / selective /
                                                          # full x LLaMA 1.36B and Qwen3 1.8B, two batches each
@@ -83,8 +84,12 @@ CASES = {
                                      "--parallelism.data_parallel", "ddp"]),
     "ddp2_b4_float8": (2, H100_CFG, ["--training.local_batch_size", "4", "--parallelism.data_parallel", "ddp",
                                      "--float8.enable"]),
-    # float8's GEMMs and casts by the tokens of a micro-step (bf16 beside it at the smallest): at local batch 1
-    # CUDA graphs take the host's launches away (captured after 3 eager steps, before the profile's window)
+}
+
+# float8's GEMMs and casts by the tokens of a micro-step (bf16 beside it at the smallest), run by name (--only) beside
+# b4_float8: at local batch 1 CUDA graphs take the host's launches away (captured after 3 eager steps, before the
+# profile's window)
+FLOAT8_TOKENS = {
     **{f"b{b}_float8{'_graphs' if b == 1 else ''}": (1, H100_CFG, [
         "--training.local_batch_size", str(b), "--training.global_batch_size", "-1", "--float8.enable",
         *(GRAPHS if b == 1 else [])]) for b in (1, 2, 16)},
@@ -107,7 +112,7 @@ def _sweep() -> dict:
 
 AC_SWEEP = _sweep()
 SWEEP_STEPS, SWEEP_SKIP = 6, 3
-ALL_CASES = {**CASES, **AC_SWEEP}
+ALL_CASES = {**CASES, **FLOAT8_TOKENS, **AC_SWEEP}
 PROFILED = {1: ["b8", "b4_float8", "b4_bf16_params_moments"], 2: ["ddp2_b24", "fsdp2_b8"]}
 PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"]
 RECOMMEND_TARGET = 32  # sequences of 2048 tokens per step on 1 GPU
