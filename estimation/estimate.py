@@ -388,10 +388,10 @@ def format_report(r: dict) -> str:
     if s:
         probes = ", ".join(f"{p['local_batch']}{'' if p['fits'] else '~' if p.get('tight') else '!'}"
                            for p in s["probes"])
-        head = (f"largest local batch that fits: {s['largest_local_batch']} (peak {s['peak_gib_at_largest']:.2f} GiB"
+        head = (f"largest local batch that fits: {s['largest_local_batch']} (peak {s['peak_gib_at_largest']:.2f} GiB; "
                 if s["largest_local_batch"] else "largest local batch that fits: none clear of the allocator's "
                                                  "headroom (")
-        lines.append(f"{head}; probes: {probes}; ~ tight, ! does not fit)")
+        lines.append(f"{head}probes: {probes}; ~ tight, ! does not fit)")
         if s.get("tight_local_batch"):
             t_peak = next(p["peak_gib"] for p in s["probes"] if p["local_batch"] == s["tight_local_batch"])
             lines.append(f"local batch {s['tight_local_batch']} is tight ({t_peak:.2f} GiB, inside the allocator's "
@@ -402,8 +402,9 @@ def format_report(r: dict) -> str:
                          f"{c['ngpu']} ranks x {s['gradient_accumulation_steps']} accumulation steps (peak "
                          f"{s['peak_gib_for_global']:.2f} GiB with its accumulation)")
         elif s["global_batch_size"] != "local x ranks (no accumulation)":
-            lines.append(f"global batch {s['global_batch_size']}: no local batch <= {s['largest_local_batch']} "
-                         f"that divides it over {c['ngpu']} ranks fits with its accumulation")
+            lines.append(f"global batch {s['global_batch_size']}: " + (
+                f"no local batch <= {s['largest_local_batch']} that divides it over {c['ngpu']} ranks fits with its "
+                f"accumulation" if s["largest_local_batch"] else "no local batch fits clear of the allocator's headroom"))
     if t is None:
         return "\n".join(lines)
     a, w = t["assumptions"], t["work"]

@@ -359,6 +359,26 @@ def test_batch_search_answers_clear_of_the_headroom_and_names_the_tight_batch_ab
     assert _search(results, 21, cfg, 1, fits, {})["tight_local_batch"] is None
 
 
+def test_a_tight_local_batch_1_reads_as_one_sentence_per_line():
+    """Where even local batch 1 sits inside the allocator's headroom (LLaMA-3.1-8B at seq 32768 with
+    selective checkpointing on 4 x H200), the search's lines say so plainly: no empty figure, no
+    "local batch <= 0"."""
+    from types import SimpleNamespace
+
+    from estimation.estimate import GIB, _Fits, _search, format_report
+
+    fits = _Fits(138.71 * GIB, 0.15)
+    tight = {1: SimpleNamespace(peak_bytes=int(122.45 * GIB))}
+    cfg = SimpleNamespace(training=SimpleNamespace(global_batch_size=4))
+    report = {**_estimate(), "batch_search": _search(tight, 0, cfg, 4, fits, tight)}
+    report["config"]["ngpu"] = 4
+    lines = format_report(report).splitlines()
+    assert "largest local batch that fits: none clear of the allocator's headroom (probes: 1~; ~ tight, ! does not fit)" \
+        in lines
+    assert "global batch 4: no local batch fits clear of the allocator's headroom" in lines
+    assert not [line for line in lines if "<= 0" in line or "(;" in line]
+
+
 def test_the_local_batch_for_a_global_batch_is_measured_at_its_own_accumulation():
     """Local batch 2 x accumulation 4 (the search's probes: two micro-steps each), global batch 8, the
     search up to 12: the answer for the global batch is 8, with no accumulation, and its peak is that of
