@@ -17,6 +17,68 @@ from titanlite.train import start_process  # noqa: E402
 # in-process runs are then bit-identical across thread counts, as `python -m titanlite.train` runs are)
 start_process()
 
+# Under pytest-xdist (run_tests.sh starts two workers) the workers share the cores: one intra-op thread
+# each, and for the commands they start, as torchrun gives each of several ranks. Two pools of one thread
+# per core would each spin-wait for cores the other holds (a 70 s run took over 600 s).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """How pytest-xdist shares the tests out (run_tests.sh: --dist loadgroup); a run in one process keeps
+    the files' order. The tests that use a module-scoped fixture go to one worker, as one group (each
+    worker that ran one of them would build the fixture again: some take 20-50 s). xdist sends the
+    groups first, largest first, then the other tests in this order: those marked slow first, so that
+    the workers end together instead of one running a long test alone at the end."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    unit = {}
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures and any(d.scope == "module" for defs in fixtures.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            unit[item] = item.module.__name__
+        else:
+            unit[item] = item.nodeid
+    slow = {unit[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: unit[item] not in slow)  # stable: a module's tests keep their order
+
+
+_held_alone = []  # the lock files this worker holds while it runs tests marked alone, one after another
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked alone runs, its fixtures' setup included, while no other worker runs a test: the
+    timings it asserts on would take in the other test's load. Every test passes a turnstile, which an
+    alone test holds while it waits (the other worker cannot keep it waiting with test after test), then
+    shares the cores lock, which an alone test takes whole and keeps while the next test is alone too."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    alone = item.get_closest_marker("alone") is not None
+    if not _held_alone:
+        folder = Path(item.config.option.basetemp).parent  # the run's own folder, shared by its workers
+        turnstile, cores = open(folder / "turnstile.lock", "w"), open(folder / "cores.lock", "w")
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone:
+            _held_alone.extend([turnstile, cores])
+        else:
+            turnstile.close()
+    yield
+    if not alone:
+        cores.close()
+    elif nextitem is None or nextitem.get_closest_marker("alone") is None:
+        while _held_alone:
+            _held_alone.pop().close()  # closing a file releases its lock
+
 
 # Processes started by `spawn` below fork from one server process that imported these once (a spawned
 # process imports torch and titanlite anew: 2-3 s of a core each). Set before the server starts, at its

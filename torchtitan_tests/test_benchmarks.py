@@ -615,6 +615,12 @@ def test_nodes_split_the_gpus_and_a_failed_node_stops_the_other(tmp_path, monkey
     assert [ln for ln in text.splitlines() if ln] == ["== node 0 ==", "4,5", "== node 1 ==", "6,7 1"]
 
 
+def own_work(folder) -> dict:
+    """The environment of a benchmark script run by a test: its run folders (launch.WORK, under TMPDIR)
+    in the test's own folder, where a test running at the same time (pytest -n) cannot remove them."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(folder)}
+
+
 @pytest.mark.slow
 def test_multinode_two_nodes_against_one_node_on_cpu(tmp_path):
     """The script end to end on CPU (gloo, the debug model): fsdp as one node of 2, two nodes of 1 and
@@ -623,7 +629,7 @@ def test_multinode_two_nodes_against_one_node_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--debug", "--ngpus", "2",
                         "--modes", "fsdp", "--layouts", "one,two,sockets", "--steps", "3", "--skip", "1",
                         "--log-freq", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env=own_work(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     data = json.loads((tmp_path / "multinode.json").read_text())
     rows = {x["layout"]: x for x in data["rows"]}
@@ -644,7 +650,7 @@ def test_multinode_resume_across_world_sizes_on_cpu(tmp_path):
     one, the resharding and the stream position said by the resumed runs."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--debug", "--ngpus", "2",
                         "--resume", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env=own_work(tmp_path))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     data = json.loads((tmp_path / "multinode_resume.json").read_text())
     # the two layouts average the loss in another order (each rank's mean, then the ranks'; or one mean):

@@ -11,7 +11,8 @@ so; two clean 2-process runs are no better (one rank's own work is often 1.25-1.
 whole run: a real straggler). The recorded pair keeps the check that real clean logs draw no false
 alarm, whatever the machine's load. Healthy multi-rank logs are covered by test_diagnose.py. Scaling
 across world sizes is tested with the shared-device fault: 4 ranks pinned to one core against a
-1-rank baseline.
+1-rank baseline. The tests that read these runs are marked alone: under pytest -n, another test's load
+while the runs are made would add faults of its own (conftest.py holds the other workers back).
 """
 
 import json
@@ -106,6 +107,7 @@ def test_healthy_clean_pair(tmp_path):
     assert all(r["reading"] == [] for r in rep["reconstruction"]["runs"]) and rep["confidence"] == "high"
 
 
+@pytest.mark.alone
 def test_shared_device_is_a_compute_stall(logs, tmp_path):
     """4 ranks on one core vs 1 rank: identical per-GPU work, compute per micro-step ~4x."""
     rep = check(tmp_path, logs["shared"], logs["clean1"])
@@ -114,22 +116,26 @@ def test_shared_device_is_a_compute_stall(logs, tmp_path):
     assert ev["compute_ms_per_micro_step"] > 2 * ev["baseline_compute_ms_per_micro_step"]
 
 
+@pytest.mark.alone
 def test_one_slow_rank_is_a_straggler(logs, tmp_path):
     rep = check(tmp_path, logs["clean_a"], logs["straggler"])
     f = assert_diagnosed(rep, "straggler")
     assert f["evidence"]["rank"] == 1 and f["evidence"]["phase"] == "compute"
 
 
+@pytest.mark.alone
 def test_slow_data_path_is_a_data_stall(logs, tmp_path):
     rep = check(tmp_path, logs["clean_a"], logs["data"])
     assert assert_diagnosed(rep, "data_stall")["evidence"]["data_ms_per_micro_step"] >= 60
 
 
+@pytest.mark.alone
 def test_extra_collective_traffic_is_communication(logs, tmp_path):
     rep = check(tmp_path, logs["clean_a"], logs["comm"])
     assert_diagnosed(rep, "communication")
 
 
+@pytest.mark.alone
 def test_doctored_tokens_per_sec_is_a_measurement_inconsistency(logs, tmp_path):
     log = json.loads(logs["clean_b"].read_text())
     for e in log["training_iterations"]:
@@ -142,12 +148,14 @@ def test_doctored_tokens_per_sec_is_a_measurement_inconsistency(logs, tmp_path):
     assert ev["logged"] == pytest.approx(2 * ev["recomputed"], rel=1e-6)
 
 
+@pytest.mark.alone
 def test_different_seq_len_is_a_config_mismatch(logs, tmp_path):
     rep = check(tmp_path, logs["clean1"], logs["seq64"])
     assert rep["verdict"] == "config_mismatch"
     assert "seq_len" in rep["findings"][0]["evidence"]
 
 
+@pytest.mark.alone
 def test_cli_on_real_logs(logs, tmp_path):
     import subprocess
     import sys

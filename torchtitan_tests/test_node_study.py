@@ -150,14 +150,16 @@ def test_node_study_end_to_end_on_cpu(tmp_path):
     """--predict-only, then the study and both faults on 1 -> 2 CPU processes: every run's figures, the
     estimate beside each clean run, the load's work, three diagnoses, the logs in one archive."""
     predictions = str(tmp_path / "predictions.json")
-    r = script("--predict-only", "--debug", "--ngpus", "2", "--models", "llama", "--predictions", predictions)
+    own_work = {"TMPDIR": str(tmp_path)}  # its run folders (launch.WORK) here, apart from another test's
+    r = script("--predict-only", "--debug", "--ngpus", "2", "--models", "llama", "--predictions", predictions,
+               env=own_work)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     made = json.loads(Path(predictions).read_text())
     assert sorted(made) == ["llama | h100 | 1", "llama | h100 | 2", "llama | h200 | 1", "llama | h200 | 2"]
     assert all(p["peak_gib"] > 0 and p["tokens_per_sec_per_gpu"] > 0 for p in made.values())
     out = tmp_path / "out"
     r = script("--debug", "--models", "llama", "--steps", "4", "--skip", "1", "--log-freq", "1",
-               "--predictions", predictions, "--tag", "cpu", "--out", str(out))
+               "--predictions", predictions, "--tag", "cpu", "--out", str(out), env=own_work)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     data = json.loads((out / "node_study_cpu.json").read_text())
     rows = {x["name"]: x for x in data["rows"]}

@@ -19,6 +19,7 @@ from titanlite.train import Trainer
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_debug_config_learns(tmp_cache):
     """The README's ./run_train.sh default config: loss falls to <= 60% of the first step's."""
     r = subprocess.run(["./run_train.sh", "--job.dump_folder", str(tmp_cache), "--metrics.log_freq", "1",
@@ -408,6 +409,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's reproducibility mode (x86 builds of torch)")
 def test_cpu_runs_are_the_same_in_every_process(tmp_path):
     """Six processes, same seed, the debug run's shapes: the same weights after two steps, bit for bit.
