@@ -385,7 +385,7 @@ def main() -> int:
     a = p.parse_args()
     if a.ngpus < 2:
         p.error("--ngpus must be at least 2: the multi-GPU modes are half the design")
-    if a.host_gpus is not None and a.host_gpus < 1 or a.row_timeout <= 0:
+    if (a.host_gpus is not None and a.host_gpus < 1) or a.row_timeout <= 0:
         p.error("--host-gpus must be at least 1 and --row-timeout positive")
     if a.design:
         for r in design(a.ngpus):

@@ -10,9 +10,8 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
   optimizer    the optimizer phase's bytes (clip and update) / (HBM x optimizer_efficiency)
   gaps         kernels x gap_us, the GPU's idle time between dependent kernels
 and never less than the host's launch time (kernels x launch_us; none for a step replayed as a CUDA
-graph). Collectives, their overlap with
-forward/backward and what they take from the compute beside them are priced by
-titanlite.parallel.comm_model, the communication model diagnose shares: ring traffic / (bandwidth x
+graph). Collectives, their overlap with forward/backward and what they take from the compute beside
+them are priced by titanlite.parallel.comm_model, the communication model diagnose shares: ring traffic / (bandwidth x
 link_efficiency) over the links they cross (estimate.inter_node_gbps between nodes), hidden behind the
 compute except the first all-gather, the last gradient reduction and the optimizer phase's
 collectives, each hidden one slowing the compute beside it by a measured rate (`beside_collectives`).
