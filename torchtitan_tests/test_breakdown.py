@@ -12,6 +12,7 @@ from conftest import ROOT, free_port
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its idle and comm figures are timings: another test's load would change them
 def test_data_delay_on_rank1_shows_up_and_names_it_slowest(tmp_cache):
     """50 ms sleep in rank 1's data path: its data wait rises by ~50 ms, rank 0 waits for it in the
     gradient collectives (exposed comm), and rank 1 is named slowest. Also one profiler trace per rank."""

@@ -69,6 +69,7 @@ def test_logged_figures_agree_on_a_real_run(tmp_cache):
         assert b["stats"]["compute_ms"]["median"] == r["compute_ms"]
 
 
+@pytest.mark.alone  # the idle it bounds is a timing: another test's load would add to it
 def test_a_known_sleep_is_measured_in_the_phase_it_sits_in(tmp_cache):
     """40 ms slept after each micro-batch is fetched (debug.inject_data_delay_ms, inside the data
     phase): every logged step's data phase holds both micro-batches' sleeps, and neither compute
@@ -136,6 +137,7 @@ def test_run_log_appends_an_entry_without_rewriting_the_file(tmp_path, monkeypat
     assert json.loads(log.path.read_text())["training_iterations"][-1] == {"iter": 13, "loss": 0.5}
 
 
+@pytest.mark.alone  # a 50 ms bound on what the intervals leave out: another test's load would stretch it
 def test_log_intervals_tile_the_training_time_without_validation(tmp_cache):
     """The logged step times, each over its interval, add up to the time the loop took minus what
     it spent validating: the intervals meet end to end (each starts where the previous log step
