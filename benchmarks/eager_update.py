@@ -1,7 +1,9 @@
-"""MasterAdamW's eager update (optimizer.fused=false, and every device without Triton): over a whole
-list at once (titanlite.optim.eager_master_adamw_update_many, what MasterAdamW runs) against the same
-update parameter by parameter (eager_master_adamw_update), and on CUDA the fused Triton kernel beside
-them. No training run: lists of tensors of mixed sizes, as one group and kind of a model's parameters.
+"""MasterAdamW's updates without titanlite's kernel: the reference over a whole list at once
+(titanlite.optim.eager_master_adamw_update_many, what MasterAdamW runs on the CPU) against the same
+update parameter by parameter (eager_master_adamw_update), and torch's fused AdamW kernel over fp32
+lists (torch_fused_master_adamw_update_many, what it runs on CUDA with optimizer.fused false); on CUDA
+the fused Triton kernel beside them. No training run: lists of tensors of mixed sizes, as one group
+and kind of a model's parameters.
 
     python benchmarks/eager_update.py [--device cpu|cuda] [--params 130] [--elements 16e6]
                                       [--moments float32|bfloat16] [--steps 10]
@@ -11,7 +13,8 @@ way of launching: the time of one step (the least of --steps: the CPU machines a
 ops it dispatches when the list is cut into a GPU's chunks (titanlite.optim.UPDATE_CHUNK), each at
 least one kernel launch on CUDA, where a foreach op launches one per few dozen tensors; CUDA's
 kernels from the profiler; and the bytes the list update reads and writes per element, op by op (each
-distinct tensor an op touches counted once). The fused kernel moves each element once (its bytes per
+distinct tensor an op touches counted once; torch's kernel is counted as writing its gradients,
+which it does only with a clip scale). The fused kernel moves each element once (its bytes per
 element: titanlite/ops/master_adamw.py). `--out DIR` also writes the report to DIR/eager_update.md.
 """
 
@@ -27,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import titanlite.optim  # noqa: E402
-from titanlite.optim import eager_master_adamw_update, eager_master_adamw_update_many, master_low_bits  # noqa: E402
+from titanlite.optim import (eager_master_adamw_update, eager_master_adamw_update_many, master_low_bits,  # noqa: E402
+                             torch_fused_master_adamw_update_many)
 
 FREE = {"empty_like", "empty", "view", "_unsafe_view", "alias", "slice", "detach", "as_strided", "lift_fresh"}
 
@@ -71,6 +75,17 @@ def whole_list(t: dict, args: tuple) -> None:
 def whole_list_skip(t: dict, args: tuple) -> None:
     # with the skip decided on the device (training.on_nan=skip): each fp32 state held, then put back
     eager_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args, copies=t["copies"])
+
+
+def torch_kernel(t: dict, args: tuple) -> None:
+    # the step after 3 (scalars' bias corrections are those of step 3), no skip to decide
+    torch_fused_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args[:5], args[-2].new_tensor(3.0),
+                                         args[-2], None, t["copies"])
+
+
+def torch_kernel_skip(t: dict, args: tuple) -> None:
+    torch_fused_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args[:5], args[-2].new_tensor(3.0),
+                                         *args[-2:], t["copies"])
 
 
 def fused(t: dict, args: tuple) -> None:
@@ -153,7 +168,8 @@ def main() -> None:
         lines.append(line)
 
     ns = sizes(a.params, a.elements)
-    ways = {"per parameter": per_parameter, "list": whole_list, "list, on_nan=skip": whole_list_skip}
+    ways = {"per parameter": per_parameter, "list": whole_list, "list, on_nan=skip": whole_list_skip,
+            "torch kernel": torch_kernel, "torch kernel, on_nan=skip": torch_kernel_skip}
     if a.device == "cuda":
         ways["fused (Triton)"] = fused
     say(f"{a.params} tensors, {sum(ns) / 1e6:.1f}M elements ({min(ns)} to {max(ns)}), {a.moments} moments, "
@@ -173,7 +189,7 @@ def main() -> None:
             titanlite.optim.CPU_UPDATE_CHUNK = cpu_chunk
             kernels = cuda_kernels(fn, t, args) if a.device == "cuda" else "-"
             say(f"| {kind} | {way} | {ms:.2f} | {c.calls} | {kernels} |")
-            if way.startswith("list"):
+            if way.startswith(("list", "torch")):
                 passes[f"{kind}, {way}"] = {op: b / sum(ns) for op, b in c.bytes.items()}
     say()
     say("Bytes per element the list update moves, by op (a foreach op is one pass over the list):")

@@ -206,8 +206,8 @@ class FakeRun:
             wrap = None if MODES[self.mode].shards_params else self._wrap_ddp  # fsdp, hsdp: the trainer's own
             self.model, self.masters = parallelize(model, settings, self.dims, wrap=wrap)
             model = self.model
-            # optimizer.fused=false runs MasterAdamW's eager update on the GPU too: op by op, with its fp32
-            # intermediates (several times the largest parameter at once), so it runs as it is here
+            # optimizer.fused=false runs torch's fused kernel on the GPU (standins.cuda_like_kernels runs it
+            # here too), with fp32 temporaries for the state that is not fp32: it runs as it is
             fused = run_cfg.optimizer.fused == "true"
             self.optimizer = build_optimizer(model, run_cfg, torch.device("cpu"), self.mode, self.masters,
                                              update=functools.partial(_one_pass_update, self.tracker) if fused else None,

@@ -10,7 +10,7 @@ values fake tensors do not have; each such stand-in lives here:
 | stand-in | for | why |
 |---|---|---|
 | `cuda_like_kernels` | F.rms_norm | the CPU decomposes it and keeps other tensors than CUDA's kernel |
-| `cuda_like_kernels` | titanlite.optim.CPU_UPDATE_CHUNK | the eager optimizer update works on the CPU in smaller chunks, with smaller temporaries, than on a GPU |
+| `cuda_like_kernels` | titanlite.optim.CPU_UPDATE_CHUNK, TORCH_KERNEL_DEVICES | without titanlite's kernel MasterAdamW runs the reference on the CPU, in smaller chunks, where a GPU runs torch's fused kernel with other temporaries |
 | `init_without_values` | torch.nn.init.trunc_normal_ | it redraws out-of-range values in a loop that reads them |
 | `ddp_on_fake_tensors` | DDP's parameter shape check; dist.Reducer's first bucket layout | both read tensor data |
 | `keep_rebuilt_buckets` | the DDP reducer's bucket rebuild | it agrees on an order by reading tensor data |
@@ -58,11 +58,12 @@ class _FusedRMSNorm(torch.autograd.Function):
 def cuda_like_kernels():
     """CUDA's kernels where their CPU versions keep different tensors: the fused RMSNorm (the CPU
     decomposes it and would save two extra fp32 copies of the input per norm; code that torch.compile
-    traces keeps the real op: Inductor decides what it saves), and MasterAdamW's eager update
-    (optimizer.fused=false), which takes a GPU's chunks of parameters at a time, not the CPU's (its fp32
-    temporaries span one chunk). (The chunked loss's fp32-output GEMMs need no stand-in: they are
-    titanlite ops whose fake kernels give CUDA's tensors, titanlite.ops.loss.)"""
-    orig, orig_chunk = F.rms_norm, optim.CPU_UPDATE_CHUNK
+    traces keeps the real op: Inductor decides what it saves), and MasterAdamW's update without
+    titanlite's kernel (optimizer.fused=false): torch's fused kernel as on CUDA, not the CPU's reference,
+    over a GPU's chunks of parameters (its fp32 temporaries, for state that is not fp32, span one chunk).
+    (The chunked loss's fp32-output GEMMs need no stand-in: they are titanlite ops whose fake kernels
+    give CUDA's tensors, titanlite.ops.loss.)"""
+    orig, orig_chunk, orig_devices = F.rms_norm, optim.CPU_UPDATE_CHUNK, optim.TORCH_KERNEL_DEVICES
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
         if torch.compiler.is_compiling():
@@ -72,10 +73,11 @@ def cuda_like_kernels():
         return _FusedRMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
 
     F.rms_norm, optim.CPU_UPDATE_CHUNK = rms_norm, optim.UPDATE_CHUNK
+    optim.TORCH_KERNEL_DEVICES = orig_devices | {"cpu"}
     try:
         yield
     finally:
-        F.rms_norm, optim.CPU_UPDATE_CHUNK = orig, orig_chunk
+        F.rms_norm, optim.CPU_UPDATE_CHUNK, optim.TORCH_KERNEL_DEVICES = orig, orig_chunk, orig_devices
 
 
 # ---------------------------------------------------------------------------------- values fake tensors lack

@@ -47,7 +47,9 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
         kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused,
                   moments_dtype=getattr(torch, o.moments_dtype), masters=masters, update=update)
         return zero_master_adamw(groups, process_group=group, **kw) if zero else MasterAdamW(groups, **kw)
-    kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    # torch's AdamW: without titanlite's kernel, CUDA runs torch's fused one all the same (its foreach
+    # update moves each element about three times as often; over FSDP's DTensors it dispatches op by op)
+    kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or device.type == "cuda")
     if graphs:
         kw.update(capturable=True)
     if zero:
@@ -99,6 +101,10 @@ def eager_master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2
 # benchmarks/eager_update.py measures both).
 UPDATE_CHUNK = 1 << 26
 CPU_UPDATE_CHUNK = 1 << 18
+# Where MasterAdamW without titanlite's kernel runs torch's fused AdamW kernel
+# (torch_fused_master_adamw_update_many); elsewhere (the CPU) it runs the reference, which the tests
+# hold the kernels to. Estimation's fake run adds the CPU, to hold the tensors CUDA holds.
+TORCH_KERNEL_DEVICES = {"cuda"}
 
 
 def eager_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, beta2: float, eps: float,
@@ -119,8 +125,9 @@ def eager_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: fl
     with the step size in the denominator, as torch's capturable AdamW has it, but applied after eps
     is added, so that an lr of 0 leaves the master as it is (rather than 0 / 0 where v is 0).
 
-    This is the CPU path, CUDA's unfused one, and the reference of the CUDA kernel
-    (titanlite.ops.master_adamw), which does it all in one pass. Here each step of the formula is one
+    This is the CPU path and the reference of titanlite's CUDA kernel (titanlite.ops.master_adamw),
+    which does it all in one pass (CUDA without that kernel runs torch's:
+    torch_fused_master_adamw_update_many). Here each step of the formula is one
     torch._foreach_* op over the whole list (a few kernels, not one per parameter), in place on the
     fp32 state; bf16 moments and the masters of bf16 parameters are worked on as fp32 temporaries and
     written back rounded (to nearest even). A list of more than UPDATE_CHUNK elements (CPU_UPDATE_CHUNK
@@ -148,23 +155,60 @@ def _chunks(ts: list[torch.Tensor], limit: int) -> list[slice]:
 
 def _update_chunk(ps, gs, los, ms, vs, beta1: float, beta2: float, grad_scale, keep, copies, decay, eps_root,
                   per_step) -> None:
-    ws = ps if los is None else _join_masters(ps, los)  # fp32: the masters and moments worked on
+    def update(ws, mw, vw):
+        held = None if keep is None else _hold([ws, mw, vw], keep)
+        g = _scaled_grads(gs, grad_scale)
+        torch._foreach_lerp_(mw, g, 1 - beta1)
+        torch._foreach_mul_(vw, beta2)
+        torch._foreach_addcmul_(vw, g, g, value=1 - beta2)
+        del g  # (each temporary goes as soon as it is used: the optimizer phase's peak holds one or two)
+        denom = torch._foreach_sqrt(vw)
+        torch._foreach_add_(denom, eps_root, alpha=1)  # alpha: the 0-d tensor overload (else a Scalar, read back)
+        torch._foreach_div_(denom, per_step)
+        if decay is not None:
+            torch._foreach_mul_(ws, decay)
+        torch._foreach_addcdiv_(ws, mw, denom, value=-1)
+        del denom
+        if held is not None:
+            _put_back(held, keep)
+
+    _on_fp32_state(ps, los, ms, vs, copies, update)
+
+
+def torch_fused_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: float, beta2: float,
+                                         eps: float, step, grad_scale=None, keep=None, copies=None) -> None:
+    """eager_master_adamw_update_many's update done by torch's own fused AdamW kernel
+    (torch._fused_adamw_, one pass over each element of fp32 lists): what MasterAdamW runs on CUDA
+    without titanlite's kernel (optimizer.fused false). `step` is the 0-d step count after this update
+    (torch's kernel derives the bias corrections from it); the other arguments are
+    eager_master_adamw_update_many's.
+
+    torch's kernel takes one dtype for all its lists, so what is not fp32 (bf16 moments and
+    gradients, the masters of bf16 parameters) goes through fp32 temporaries, chunk by chunk as in
+    eager_master_adamw_update_many, and is written back. The arithmetic is torch AdamW's: the same
+    formula, in another order (m <- beta1 m + (1 - beta1) g; w <- w - lr / bias1 * m / (sqrt(v) / bias2_sqrt
+    + eps)), so it differs from the reference in the last bits. A skipped step (`keep`) changes nothing;
+    fp32 gradients are left divided by `grad_scale` (the kernel writes the scaled gradient back).
+    """
+    if not ps:
+        return
+    found_inf = None if keep is None else keep.to(torch.float32)  # the kernel skips where it is 1
+    for part in _chunks(ps, CPU_UPDATE_CHUNK if ps[0].device.type == "cpu" else UPDATE_CHUNK):
+        def update(ws, mw, vw, gs=gs[part]):
+            torch._fused_adamw_(ws, _fp32(gs), mw, vw, [], [step] * len(ws), lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                                found_inf=found_inf)
+
+        _on_fp32_state(ps[part], los and los[part], ms[part], vs[part], copies and copies[part], update)
+
+
+def _on_fp32_state(ps, los, ms, vs, copies, update: Callable) -> None:
+    """`update(ws, mw, vw)` in place on fp32 masters and moments: `ps` and the moments themselves where
+    they are fp32, else fp32 temporaries (join_master for bf16 parameters) written back rounded to
+    nearest even afterwards; the bf16 `copies` of fp32 masters are rewritten as their rounding."""
+    ws = ps if los is None else _join_masters(ps, los)
     mw, vw = _fp32(ms), _fp32(vs)
-    held = None if keep is None else _hold([ws, mw, vw], keep)
-    g = _scaled_grads(gs, grad_scale)
-    torch._foreach_lerp_(mw, g, 1 - beta1)
-    torch._foreach_mul_(vw, beta2)
-    torch._foreach_addcmul_(vw, g, g, value=1 - beta2)
-    del g  # (each temporary goes as soon as it is used: the optimizer phase's peak holds one or two)
-    denom = torch._foreach_sqrt(vw)
-    torch._foreach_add_(denom, eps_root, alpha=1)  # alpha: the 0-d tensor overload (else a Scalar, read back)
-    torch._foreach_div_(denom, per_step)
-    if decay is not None:
-        torch._foreach_mul_(ws, decay)
-    torch._foreach_addcdiv_(ws, mw, denom, value=-1)
-    del denom
-    if held is not None:
-        _put_back(held, keep)
+    update(ws, mw, vw)
     for state, work in ((ms, mw), (vs, vw)):
         if work is not state:
             torch._foreach_copy_(state, work)
@@ -198,10 +242,11 @@ def _scaled_grads(gs: list[torch.Tensor], grad_scale) -> list[torch.Tensor]:
 
 
 def _join_masters(ps: list[torch.Tensor], los: list[torch.Tensor]) -> list[torch.Tensor]:
-    """join_master over lists: the fp32 masters, as new tensors."""
-    bits = _converted(los, torch.int32)
-    torch._foreach_add_(bits, _converted([p.view(torch.int16) for p in ps], torch.int32), alpha=65536)
-    return [b.view(torch.float32) for b in bits]
+    """join_master over lists: the fp32 masters, as new tensors. A bf16 value widened to fp32 has its bits
+    in the high half, so the low bits are added to it as integers (int16 into int32: sign-extended)."""
+    ws = _converted(ps, torch.float32)
+    torch._foreach_add_([w.view(torch.int32) for w in ws], los)
+    return ws
 
 
 def _split_masters(ws: list[torch.Tensor], ps: list[torch.Tensor], los: list[torch.Tensor]) -> None:
@@ -209,7 +254,7 @@ def _split_masters(ws: list[torch.Tensor], ps: list[torch.Tensor], los: list[tor
     over lists; `ws` are join_master's temporaries, used up here)."""
     torch._foreach_copy_(ps, ws)
     bits = [w.view(torch.int32) for w in ws]
-    torch._foreach_sub_(bits, _converted([p.view(torch.int16) for p in ps], torch.int32), alpha=65536)
+    torch._foreach_sub_(bits, [p.view(torch.int16) for p in ps], alpha=65536)  # widened to int32 first
     torch._foreach_clamp_max_(bits, 32767)
     torch._foreach_copy_(los, bits)
 
@@ -241,8 +286,9 @@ class MasterAdamW(torch.optim.Optimizer):
     - fp32 without a copy (embeddings, norms, output head): its own master, plain AdamW.
     The state also holds the moments and the step. On CUDA with `fused` the update is one Triton
     pass over each parameter, launched once per group and kind (once per parameter while a CUDA
-    graph is captured; titanlite.ops.master_adamw); elsewhere `eager_master_adamw_update_many` runs
-    eagerly over each group and kind's lists (the reference the kernel is tested against). `update`,
+    graph is captured; titanlite.ops.master_adamw); on CUDA without it torch's fused AdamW kernel
+    (torch_fused_master_adamw_update_many), on the CPU `eager_master_adamw_update_many` over each
+    group and kind's lists (the reference the kernels are tested against). `update`,
     when given, runs instead of both, parameter by parameter (same arguments as
     eager_master_adamw_update): estimation's fake run counts the kernel's bytes through it.
     It takes the clip inside its update (titanlite.parallel.grads.FusedClip: `scale_next_step`).
@@ -357,7 +403,10 @@ class MasterAdamW(torch.optim.Optimizer):
             copies = [self.masters.copies[p] for p in ps] if kind == "copy" else None
             ws, gs = [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps]
             ms, vs = [local_tensor(s["exp_avg"]) for s in st], [local_tensor(s["exp_avg_sq"]) for s in st]
-            if update is None:  # eager: the whole list at once, a few kernels per step of the formula
+            if update is None and device.type in TORCH_KERNEL_DEVICES:  # torch's fused kernel, over fp32 lists
+                torch_fused_master_adamw_update_many(ws, gs, los, ms, vs, *args[:5], step, scale, keep, copies)
+                continue
+            if update is None:  # the CPU: the whole list at once, a few kernels per step of the formula
                 eager_master_adamw_update_many(ws, gs, los, ms, vs, *args, copies=copies)
                 continue
             if many is not None and many(ws, gs, los, ms, vs, *args, copies=copies,

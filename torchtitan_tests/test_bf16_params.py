@@ -20,7 +20,7 @@ from titanlite.config.manager import check_combination
 from titanlite.ops.master_linear import MasterWeights
 import titanlite.optim
 from titanlite.optim import (MasterAdamW, eager_master_adamw_update, eager_master_adamw_update_many, join_master,
-                             master_low_bits)
+                             master_low_bits, torch_fused_master_adamw_update_many)
 
 SHAPES = [(64, 32), (32,), (48, 64)]
 
@@ -51,8 +51,9 @@ def steps(ref, low, a, b, n: int, scale: float = 2.0):
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("fused, device", [(False, "cpu"), pytest.param(True, "cuda", marks=GPU)],
-                         ids=["eager", "triton-cuda"])
+@pytest.mark.parametrize("fused, device", [(False, "cpu"), pytest.param(True, "cuda", marks=GPU),
+                                           pytest.param(False, "cuda", marks=GPU)],
+                         ids=["eager", "triton-cuda", "torch-cuda"])
 def test_update_is_torch_adamw_on_the_masters(fused, device):
     ref, low, a, b = pair(fused, device)
     steps(ref, low, a, b, 5)
@@ -67,8 +68,9 @@ def test_update_is_torch_adamw_on_the_masters(fused, device):
     assert (low[0].cpu().float() != pair()[1][0].float()).any()  # it moved
 
 
-@pytest.mark.parametrize("fused, device", [(False, "cpu"), pytest.param(True, "cuda", marks=GPU)],
-                         ids=["eager", "triton-cuda"])
+@pytest.mark.parametrize("fused, device", [(False, "cpu"), pytest.param(True, "cuda", marks=GPU),
+                                           pytest.param(False, "cuda", marks=GPU)],
+                         ids=["eager", "triton-cuda", "torch-cuda"])
 def test_found_inf_skips_everything_on_device(fused, device):
     ref, low, a, b = pair(fused, device)
     steps(ref, low, a, b, 2)
@@ -139,6 +141,23 @@ class _NoReadBack(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# Mixed sizes for the list updates, cut into chunks (CPU_UPDATE_CHUNK 3000: one tensor larger than a
+# chunk), with an empty local shard among them (FSDP can leave a rank one)
+LIST_SIZES = [(64, 32), (0,), (5000,), (7, 3), (1,), (40, 40)]
+
+
+def list_state(masters: list[torch.Tensor], kind: str, moments: torch.dtype) -> list[dict]:
+    """Per fp32 master, what MasterAdamW holds for its kind: the parameter ("p": the master itself, or
+    its bf16 rounding with the low bits "lo"), a bf16 "copy" for kind "copy", and zero moments."""
+    out = []
+    for w in masters:
+        p = w.bfloat16() if kind == "lo" else w.clone()
+        s = {"p": p, "m": torch.zeros(w.shape, dtype=moments), "v": torch.zeros(w.shape, dtype=moments)}
+        s.update({"lo": master_low_bits(w, p)} if kind == "lo" else {"copy": w.bfloat16()} if kind == "copy" else {})
+        out.append(s)
+    return out
+
+
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
 @pytest.mark.parametrize("kind", ["own", "copy", "lo"])
 def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
@@ -150,17 +169,9 @@ def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
     to the host (the skip and the scalars stay on the device)."""
     monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
     torch.manual_seed(0)
-    sizes = [(64, 32), (0,), (5000,), (7, 3), (1,), (40, 40)]
+    sizes = LIST_SIZES
     masters = [torch.randn(s) for s in sizes]
-
-    def state():
-        out = []
-        for w in masters:
-            p = w.bfloat16() if kind == "lo" else w.clone()
-            s = {"p": p, "m": torch.zeros(w.shape, dtype=moments), "v": torch.zeros(w.shape, dtype=moments)}
-            s.update({"lo": master_low_bits(w, p)} if kind == "lo" else {"copy": w.bfloat16()} if kind == "copy" else {})
-            out.append(s)
-        return out
+    state = lambda: list_state(masters, kind, moments)
 
     whole, each = state(), state()
     los, copies = ([s[k] for s in whole] if k in whole[0] else None for k in ("lo", "copy"))
@@ -187,6 +198,49 @@ def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
         master = join_master(s["p"], s["lo"]) if kind == "lo" else s["p"]
         assert w.numel() == 0 or not torch.equal(master, w)
         assert kind == "own" or torch.equal(s.get("copy", s["p"]), master.bfloat16())
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
+@pytest.mark.parametrize("kind", ["own", "copy", "lo"])
+def test_torch_kernel_is_the_eager_update(kind, moments, monkeypatch):
+    """torch's fused AdamW over fp32 lists (optimizer.fused false on CUDA; its CPU kernel here) follows
+    the reference list update for each kind of master, chunked, with an empty shard, the clip's scale,
+    no scale, and a skipped step that leaves every bit as it was: masters within fp32 rounding, each
+    bf16 parameter or copy its master's rounding, the low bits and the moments stored as the reference
+    stores them but where the two fp32 results straddle a rounding boundary."""
+    monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
+    torch.manual_seed(0)
+    sizes = LIST_SIZES
+    masters = [torch.randn(s) for s in sizes]
+    state = lambda: list_state(masters, kind, moments)
+
+    ours, ref = state(), state()
+    lists = lambda st, k: [s[k] for s in st] if k in st[0] else None
+    lr = torch.tensor(1e-2)
+    for t, (scale, keep) in zip([1, 2, 3, 3, 4], [(2.0, False), (0.5, False), (3.0, True), (None, None), (1.5, False)]):
+        grads = [torch.randn(s).to(ours[0]["p"].dtype) for s in sizes]
+        if keep:
+            grads = [g.fill_(float("inf")) for g in grads]
+            before = [{k: x.clone() for k, x in s.items()} for s in ours]
+        step = torch.tensor(float(t))
+        scale, keep = (None if scale is None else torch.tensor(scale)), (None if keep is None else torch.tensor(keep))
+        torch_fused_master_adamw_update_many(lists(ours, "p"), [g.clone() for g in grads], lists(ours, "lo"),
+                                             lists(ours, "m"), lists(ours, "v"), lr, 0.1, 0.9, 0.95, 1e-8, step,
+                                             scale, keep, lists(ours, "copy"))
+        eager_master_adamw_update_many(lists(ref, "p"), grads, lists(ref, "lo"), lists(ref, "m"), lists(ref, "v"),
+                                       lr, 0.1, 0.9, 0.95, 1e-8, 1 - 0.9 ** step, (1 - 0.95 ** step).sqrt(), scale,
+                                       keep, copies=lists(ref, "copy"))
+        if keep:
+            assert _same_bits(ours, before)
+        for a, b in zip(ours, ref):
+            master = lambda s: join_master(s["p"], s["lo"]) if kind == "lo" else s["p"]
+            torch.testing.assert_close(master(a), master(b), rtol=2e-6, atol=1e-7)
+            assert torch.equal(a.get("copy", a["p"]), master(a).to(a.get("copy", a["p"]).dtype))
+            for k in ("m", "v"):
+                torch.testing.assert_close(a[k].float(), b[k].float(), atol=1e-7,
+                                           rtol=1e-5 if moments == torch.float32 else 2 ** -7)
+    for s, w in zip(ours, masters):  # it moved
+        assert w.numel() == 0 or not torch.equal(join_master(s["p"], s["lo"]) if kind == "lo" else s["p"], w)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -248,7 +302,7 @@ def test_kernel_writes_the_bf16_copies(launch, monkeypatch):
     masters = [torch.randn(s) for s in [(64, 32), (48, 64), (5000,)]]
 
     def build(device, fused):
-        params = [torch.nn.Parameter(w.to(device)) for w in masters]
+        params = [torch.nn.Parameter(w.to(device, copy=True)) for w in masters]  # (on the CPU, not `masters` itself)
         kept = MasterWeights()
         for p in params[:2]:
             kept.copies[p] = p.detach().bfloat16()

@@ -102,22 +102,27 @@ def test_master_adamw_step_allocates_nothing(extra):
     assert 0 <= excess["master"] <= excess["torch_fused"] + 0.01 * largest, (excess, largest)
 
 
-def test_unfused_master_adamw_step_holds_its_intermediates():
-    """optimizer.fused=false runs MasterAdamW's eager update on the GPU too, a foreach op at a time over
-    each group's parameters (titanlite.optim.eager_master_adamw_update_many): its fp32 temporaries span
-    a chunk of parameters, at least the largest one, and are part of the step's peak there, and so of
-    the estimate. (When that update ran parameter by parameter, a 1 x H200 run of LLaMA 1.36B held
-    1.31 GiB more than the fused one's estimate: about five copies of its 32000 x 2304 output layer.)"""
+@pytest.mark.parametrize("extra", [[], ["--float8.enable"], ["--optimizer.moments_dtype", "bfloat16"]],
+                         ids=["fp32_masters", "bf16_params_low_bits", "bf16_moments"])
+def test_unfused_master_adamw_step_holds_what_torchs_kernel_needs(extra):
+    """optimizer.fused=false runs torch's fused AdamW kernel on the GPU (over fp32 lists), and the fake
+    run runs it too: over fp32 masters and moments it writes in place and holds nothing; bf16
+    parameters (their fp32 masters and gradients) and bf16 moments go through fp32 temporaries that
+    span a chunk of parameters, at least the largest such one, and are part of the step's peak."""
     from estimation.fake_run import FakeRun
 
-    run = FakeRun(_cfg("--optimizer.fused", "false"), 1)
+    run = FakeRun(_cfg("--optimizer.fused", "false", *extra), 1)
     try:
         r = run.step(2)
     finally:
         run.close()
     assert type(run.optimizer).__name__ == "MasterAdamW"
-    largest = max(p.numel() * 4 for p in run.model.parameters())  # an fp32 temporary of the largest
-    assert r.phase_peak["opt"] - sum(r.model_state.values()) >= largest
+    excess = r.phase_peak["opt"] - sum(r.model_state.values())
+    widened = [p for p in run.model.parameters() if p.dtype == torch.bfloat16 or extra[-1:] == ["bfloat16"]]
+    scalars = 0.01 * max(p.numel() * 4 for p in run.model.parameters())  # the step's 0-d tensors
+    assert excess >= 2 * 4 * max((p.numel() for p in widened), default=0)  # two fp32 temporaries of the largest
+    assert excess <= 2 * 4 * sum(p.numel() for p in widened) + scalars  # no more than two of each such parameter
+    assert bool(widened) == bool(extra)
 
 
 def test_peak_breakdown_and_activation_checkpointing():

@@ -51,7 +51,9 @@ class Optimizer:
     beta2: float = doc(0.95, "AdamW beta2", min=0.0, max=1.0)
     eps: float = doc(1e-8, "AdamW epsilon", min=0.0)
     weight_decay: float = doc(0.1, "decoupled weight decay (not applied to norms and biases)", min=0.0)
-    fused: Literal["auto", "true", "false"] = doc("auto", "fused AdamW kernel; auto = on for CUDA")
+    fused: Literal["auto", "true", "false"] = doc(
+        "auto", "titanlite's one-pass AdamW kernel (Triton); false: torch's fused AdamW kernel on CUDA instead "
+                "(fp32 temporaries around it for bf16 parameters and moments), foreach ops on the CPU; auto = on for CUDA")
     fuse_clip: bool = doc(True, "with the fused kernel, apply the grad-norm clip inside it (saves a pass over the grads)")
     moments_dtype: Literal["float32", "bfloat16"] = doc(
         "float32", "dtype of AdamW's two moments; bfloat16 halves their memory and the update's traffic (the "
