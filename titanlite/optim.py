@@ -49,7 +49,7 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device, dp_mode: 
         return zero_master_adamw(groups, process_group=group, **kw) if zero else MasterAdamW(groups, **kw)
     # torch's AdamW: without titanlite's kernel, CUDA runs torch's fused one all the same (its foreach
     # update moves each element about three times as often; over FSDP's DTensors it dispatches op by op)
-    kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or device.type == "cuda")
+    kw = dict(lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or device.type in TORCH_KERNEL_DEVICES)
     if graphs:
         kw.update(capturable=True)
     if zero:
@@ -101,9 +101,9 @@ def eager_master_adamw_update(p, g, lo, m, v, lr, wd: float, beta1: float, beta2
 # benchmarks/eager_update.py measures both).
 UPDATE_CHUNK = 1 << 26
 CPU_UPDATE_CHUNK = 1 << 18
-# Where MasterAdamW without titanlite's kernel runs torch's fused AdamW kernel
-# (torch_fused_master_adamw_update_many); elsewhere (the CPU) it runs the reference, which the tests
-# hold the kernels to. Estimation's fake run adds the CPU, to hold the tensors CUDA holds.
+# Where the optimizer without titanlite's kernel runs torch's fused AdamW kernel (MasterAdamW:
+# torch_fused_master_adamw_update_many; torch's AdamW: fused); elsewhere (the CPU) the foreach ops, the
+# reference the tests hold the kernels to. Estimation's fake run adds the CPU, to hold what CUDA holds.
 TORCH_KERNEL_DEVICES = {"cuda"}
 
 

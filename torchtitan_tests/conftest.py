@@ -115,6 +115,13 @@ def concurrently(*calls):
         return list(pool.map(lambda call: call(), calls))
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a command a test starts: this process's, titanlite importable from the checkout,
+    one intra-op thread per process (its ranks share this machine's cores, with pytest's other worker
+    under -n), and `extra` on top."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import compare_peer  # noqa: E402
@@ -618,7 +618,7 @@ def test_nodes_split_the_gpus_and_a_failed_node_stops_the_other(tmp_path, monkey
 def own_work(folder) -> dict:
     """The environment of a benchmark script run by a test: its run folders (launch.WORK, under TMPDIR)
     in the test's own folder, where a test running at the same time (pytest -n) cannot remove them."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(folder)}
+    return child_env(TMPDIR=str(folder))
 
 
 @pytest.mark.slow

@@ -1,14 +1,13 @@
 """Per-rank timing breakdown on a real 2-rank CPU run (torchrun, gloo, DDP)."""
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, child_env, free_port
 
 
 @pytest.mark.slow
@@ -16,7 +15,7 @@ from conftest import ROOT, free_port
 def test_data_delay_on_rank1_shows_up_and_names_it_slowest(tmp_cache):
     """50 ms sleep in rank 1's data path: its data wait rises by ~50 ms, rank 0 waits for it in the
     gradient collectives (exposed comm), and rank 1 is named slowest. Also one profiler trace per rank."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "titanlite.train", "--training.dataset", "synthetic", "--training.seq_len", "32",
            "--training.local_batch_size", "2", "--training.steps", "13", "--metrics.log_freq", "4",

@@ -21,7 +21,7 @@ from titanlite.config import load_config
 from titanlite.metrics.run_log import step_losses
 from titanlite.train import Trainer
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -40,7 +40,7 @@ def torchrun(*argv: str) -> list[str]:
             "-m", "titanlite.train", *argv]
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 ranks on a shared 2-core machine
+ENV = child_env()
 
 
 def run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -125,6 +125,22 @@ def test_unfused_master_adamw_step_holds_what_torchs_kernel_needs(extra):
     assert bool(widened) == bool(extra)
 
 
+def test_unfused_fsdp_step_is_torchs_fused_adamw():
+    """fsdp without titanlite's kernel steps torch's AdamW, fused on CUDA, and so in the fake run: it
+    writes in place and holds nothing beyond the model state (its foreach update would hold temporaries
+    of whole parameters)."""
+    from estimation.fake_run import FakeRun
+
+    run = FakeRun(_cfg("--optimizer.fused", "false", "--parallelism.data_parallel", "fsdp"), 2)
+    try:
+        r = run.step(2)
+    finally:
+        run.close()
+    assert type(run.optimizer) is torch.optim.AdamW and run.optimizer.defaults["fused"]
+    scalars = 0.01 * max(p.numel() * 4 for p in run.model.parameters())
+    assert r.phase_peak["opt"] - sum(r.model_state.values()) <= scalars
+
+
 def test_peak_breakdown_and_activation_checkpointing():
     """The peak is the sum of its categories; full AC keeps fewer activations; FSDP gathers show up."""
     from estimation.fake_run import FakeRun

@@ -1,18 +1,16 @@
 """python -m estimation names the setting that cannot fit, and refuses a node layout that cannot run."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import child_env
 
 
 def estimation(*args, tmp) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "estimation", "--job.dump_folder", str(tmp), *args], cwd=tmp,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=child_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_a_sequence_too_long_for_the_gpu_is_named_with_the_longest_that_fits(tmp_path):

@@ -16,7 +16,7 @@ from titanlite import launch
 from titanlite.config import ConfigError, load_config
 from titanlite.parallel.launcher_env import Launch
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 TINY = ["--training.dataset", "synthetic", "--training.seq_len", "32", "--validation.enable=false",
         "--metrics.progress_bar=false", "--data.num_workers", "0", "--parallelism.data_parallel", "ddp",
@@ -442,7 +442,7 @@ def rank_pids(launcher: int) -> list[int]:
 
 def started_job(folder, *extra: str, ngpu: int) -> subprocess.Popen:
     """run_train.sh training until stopped, its first step logged when this returns."""
-    env = {**os.environ, "NGPU": str(ngpu), "TITANLITE_INSTALL": "0", "OMP_NUM_THREADS": "1"}
+    env = child_env(NGPU=str(ngpu), TITANLITE_INSTALL="0")
     proc = subprocess.Popen([str(ROOT / "run_train.sh"), *TINY, "--training.local_batch_size", "2", "--training.steps",
                              "200", "--debug.inject_data_delay_ms", "200", "--checkpoint.enable", "--job.dump_folder",
                              "out", *extra], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

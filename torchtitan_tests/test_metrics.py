@@ -1,7 +1,6 @@
 """Run log, step timer, breakdown summary, console, TensorBoard and profiler on CPU (one process)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from titanlite.metrics.run_log import RunLog, RunLogError, load, ran, steady
 from titanlite.metrics.timing import StepTimer
 from titanlite.train import Trainer
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -89,7 +88,7 @@ def test_killed_run_leaves_a_parseable_log(tmp_cache):
     """SIGKILL while the log is rewritten every step: the file on disk is always complete JSON."""
     proc = subprocess.Popen([sys.executable, "-m", "titanlite.train", *TINY, "--training.steps", "100000",
                              "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_cache)],
-                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            cwd=ROOT, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120

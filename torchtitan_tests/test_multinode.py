@@ -15,7 +15,7 @@ import pytest
 from titanlite.config import load_config
 from titanlite.train import Trainer
 
-from conftest import ROOT, free_port
+from conftest import ROOT, child_env, free_port
 
 
 def args(folder, local_batch):
@@ -43,7 +43,7 @@ def assert_one_job(folder, expected) -> None:
     assert got == pytest.approx(expected, rel=1e-5)
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENV = child_env()
 
 
 def two_nodes(*target: str, env: dict | None = None) -> str:
@@ -212,10 +212,9 @@ def test_slurm_batch_script_starts_one_job_of_two_nodes(tmp_cache):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "SRUN_LOG": str(tmp_cache / "srun.log"), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[07-08]",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "gpu:1", "RDZV_PORT": str(port),
-           "TITANLITE_INSTALL": "0"}
+    env = child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_cache / "srun.log"), SLURM_JOB_ID="4242",
+                    SLURM_JOB_NODELIST="node[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_PER_NODE="gpu:1",
+                    RDZV_PORT=str(port), TITANLITE_INSTALL="0")
     env.pop("NGPU", None)
     cmd = ["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), *config, *args(tmp_cache / "slurm", 2)]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

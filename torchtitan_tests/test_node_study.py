@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import launch  # noqa: E402
@@ -21,7 +21,7 @@ SCRIPT = str(ROOT / "benchmarks" / "node_study.py")
 
 def script(*argv: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+                          env=child_env(**(env or {})))
 
 
 @pytest.mark.parametrize("model, gpu", [("llama", "h100"), ("qwen3", "h100"), ("llama", "h200"), ("qwen3", "b200")])

@@ -16,7 +16,7 @@ from titanlite.config import load_config
 from titanlite.optim import lr_factor
 from titanlite.train import Trainer
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_cache):
            "--metrics.progress_bar=false", "--data.num_workers", "0", "--checkpoint.enable", "--checkpoint.interval",
            "2", "--checkpoint.keep_latest_k", "0", "--debug.inject_data_delay_ms", "200", "--job.dump_folder",
            str(tmp_cache)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
