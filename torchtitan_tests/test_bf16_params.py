@@ -441,6 +441,58 @@ def test_captured_iteration_updates_as_the_eager_step(tmp_path):
         captured.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [True, False], ids=["triton", "torch-kernel"])
+def test_a_captured_update_replays_as_the_eager_one(fused):
+    """MasterAdamW's step captured in a CUDA graph (the lr a device tensor, bf16 moments, each kind of
+    master) and replayed on new gradients writes what the same steps write eagerly: with torch's kernel
+    (optimizer.fused false) bit for bit, with titanlite's (one launch per parameter under capture, one
+    per group eagerly) within fp32 rounding."""
+    def build():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(512, 256, device="cuda").bfloat16()),
+              torch.nn.Parameter(torch.randn(256, 128, device="cuda")), torch.nn.Parameter(torch.randn(128, device="cuda"))]
+        kept = MasterWeights()
+        kept.copies[ps[1]] = ps[1].detach().bfloat16()
+        groups = [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+        return ps, MasterAdamW(groups, lr=torch.tensor(1e-2, device="cuda"), betas=(0.9, 0.95), fused=fused,
+                               moments_dtype=torch.bfloat16, masters=kept)
+
+    (eager_ps, eager), (graph_ps, captured) = build(), build()
+    grads = [[torch.randn(p.shape, device="cuda").to(p.dtype) for p in eager_ps] for _ in range(6)]
+    static = [torch.zeros_like(p) for p in graph_ps]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as CudaGraphStep does
+        for gs in grads[:2]:
+            for p, g in zip(graph_ps, gs):
+                p.grad = g.clone()
+            captured.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p, s in zip(graph_ps, static):
+        p.grad = s
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.step()
+    for i, gs in enumerate(grads):
+        if i >= 2:
+            for s, g in zip(static, gs):
+                s.copy_(g)
+            graph.replay()
+        for p, g in zip(eager_ps, gs):
+            p.grad = g.clone()
+        eager.step()
+    torch.cuda.synchronize()
+    assert captured.state[graph_ps[0]]["step"].item() == 6
+    same = torch.testing.assert_close if fused else (lambda a, b, **_: torch.equal(a, b) or pytest.fail("bits differ"))
+    for a, b in zip(eager_ps, graph_ps):
+        same(captured.master(b), eager.master(a), rtol=1e-6, atol=1e-7)
+        for k in ("exp_avg", "exp_avg_sq"):
+            same(captured.state[b][k].float(), eager.state[a][k].float(), rtol=2 ** -7, atol=1e-7)
+        assert torch.equal(b.detach(), captured.master(b).to(b.dtype))  # each parameter its master's rounding
+    assert torch.equal(captured.masters.copies[graph_ps[1]], captured.master(graph_ps[1]).bfloat16())
+
+
 def test_fused_clip_norm_covers_both_dtypes():
     """With MasterAdamW the clip takes the norm over bf16 and fp32 gradients (grouped by dtype for
     torch's multi-tensor kernel) and hands the optimizer's next step norm / max_norm (and, skipping
