@@ -186,8 +186,8 @@ def torch_fused_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, bet
     torch's kernel takes one dtype for all its lists, so what is not fp32 (bf16 moments and
     gradients, the masters of bf16 parameters) goes through fp32 temporaries, chunk by chunk as in
     eager_master_adamw_update_many, and is written back. The arithmetic is torch AdamW's: the same
-    formula, in another order (m <- beta1 m + (1 - beta1) g; w <- w - lr / bias1 * m / (sqrt(v) / bias2_sqrt
-    + eps)), so it differs from the reference in the last bits. A skipped step (`keep`) changes nothing;
+    formula, in another order (m <- beta1 m + (1 - beta1) g; w <- w (1 - lr wd) - lr / bias1 * m /
+    (sqrt(v) / bias2_sqrt + eps)), so it differs from the reference in the last bits. A skipped step (`keep`) changes nothing;
     fp32 gradients are left divided by `grad_scale` (the kernel writes the scaled gradient back).
     """
     if not ps:
