@@ -44,6 +44,9 @@ def sizes(n_params: int, elements: float, seed: int = 0) -> list[int]:
     return [max(8, int(x) // 8 * 8) for x in raw / raw.sum() * elements]
 
 
+STEP = 3.0  # the step every timed update takes (scalars' bias corrections are its)
+
+
 def build(kind: str, moments: torch.dtype, ns: list[int], device: str) -> dict:
     """One list of each role, as MasterAdamW passes them for one group and kind."""
     ws = [torch.randn(n, device=device) for n in ns]
@@ -52,11 +55,12 @@ def build(kind: str, moments: torch.dtype, ns: list[int], device: str) -> dict:
             "los": [master_low_bits(w, p) for w, p in zip(ws, ps)] if kind == "lo" else None,
             "ms": [torch.zeros(n, dtype=moments, device=device) for n in ns],
             "vs": [torch.zeros(n, dtype=moments, device=device) for n in ns],
-            "copies": [w.bfloat16() for w in ws] if kind == "copy" else None}
+            "copies": [w.bfloat16() for w in ws] if kind == "copy" else None,
+            "step": torch.tensor(STEP, device=device)}  # torch's kernel takes the step itself
 
 
 def scalars(device: str) -> tuple:
-    step = torch.tensor(3.0, device=device)
+    step = torch.tensor(STEP, device=device)
     return (torch.tensor(1e-3, device=device), 0.1, 0.9, 0.95, 1e-8, 1 - 0.9 ** step, (1 - 0.95 ** step).sqrt(),
             torch.tensor(1.5, device=device), torch.zeros((), dtype=torch.bool, device=device))
 
@@ -77,15 +81,14 @@ def whole_list_skip(t: dict, args: tuple) -> None:
     eager_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args, copies=t["copies"])
 
 
-def torch_kernel(t: dict, args: tuple) -> None:
-    # the step after 3 (scalars' bias corrections are those of step 3), no skip to decide
-    torch_fused_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args[:5], args[-2].new_tensor(3.0),
-                                         args[-2], None, t["copies"])
+def torch_kernel(t: dict, args: tuple, skip: bool = False) -> None:
+    # no skip to decide unless `skip`, as whole_list and whole_list_skip
+    torch_fused_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args[:5], t["step"], args[-2],
+                                         args[-1] if skip else None, t["copies"])
 
 
 def torch_kernel_skip(t: dict, args: tuple) -> None:
-    torch_fused_master_adamw_update_many(t["ps"], t["gs"], t["los"], t["ms"], t["vs"], *args[:5], args[-2].new_tensor(3.0),
-                                         *args[-2:], t["copies"])
+    torch_kernel(t, args, skip=True)
 
 
 def fused(t: dict, args: tuple) -> None:

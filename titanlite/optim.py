@@ -137,13 +137,15 @@ def eager_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, beta1: fl
         return
     decay = None if wd == 0 else 1 - lr * wd
     eps_root, per_step = eps * bias2_sqrt, bias2_sqrt * (lr / bias1)
-    for part in _chunks(ps, CPU_UPDATE_CHUNK if ps[0].device.type == "cpu" else UPDATE_CHUNK):
+    for part in _chunks(ps):
         _update_chunk(ps[part], gs[part], los and los[part], ms[part], vs[part], beta1, beta2, grad_scale, keep,
                       copies and copies[part], decay, eps_root, per_step)
 
 
-def _chunks(ts: list[torch.Tensor], limit: int) -> list[slice]:
-    """`ts` in consecutive runs of at most `limit` elements (a larger tensor alone)."""
+def _chunks(ts: list[torch.Tensor]) -> list[slice]:
+    """`ts` in consecutive runs of at most UPDATE_CHUNK elements (CPU_UPDATE_CHUNK on the CPU; a larger
+    tensor alone)."""
+    limit = CPU_UPDATE_CHUNK if ts[0].device.type == "cpu" else UPDATE_CHUNK
     cuts, total = [0], 0
     for i, t in enumerate(ts):
         if total and total + t.numel() > limit:
@@ -187,13 +189,14 @@ def torch_fused_master_adamw_update_many(ps, gs, los, ms, vs, lr, wd: float, bet
     gradients, the masters of bf16 parameters) goes through fp32 temporaries, chunk by chunk as in
     eager_master_adamw_update_many, and is written back. The arithmetic is torch AdamW's: the same
     formula, in another order (m <- beta1 m + (1 - beta1) g; w <- w (1 - lr wd) - lr / bias1 * m /
-    (sqrt(v) / bias2_sqrt + eps)), so it differs from the reference in the last bits. A skipped step (`keep`) changes nothing;
-    fp32 gradients are left divided by `grad_scale` (the kernel writes the scaled gradient back).
+    (sqrt(v) / bias2_sqrt + eps)), so it differs from the reference in the last bits. A skipped step
+    (`keep`) changes nothing; fp32 gradients are left divided by `grad_scale` (the kernel writes the
+    scaled gradient back).
     """
     if not ps:
         return
     found_inf = None if keep is None else keep.to(torch.float32)  # the kernel skips where it is 1
-    for part in _chunks(ps, CPU_UPDATE_CHUNK if ps[0].device.type == "cpu" else UPDATE_CHUNK):
+    for part in _chunks(ps):
         def update(ws, mw, vw, gs=gs[part]):
             torch._fused_adamw_(ws, _fp32(gs), mw, vw, [], [step] * len(ws), lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
@@ -403,11 +406,11 @@ class MasterAdamW(torch.optim.Optimizer):
             copies = [self.masters.copies[p] for p in ps] if kind == "copy" else None
             ws, gs = [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps]
             ms, vs = [local_tensor(s["exp_avg"]) for s in st], [local_tensor(s["exp_avg_sq"]) for s in st]
-            if update is None and device.type in TORCH_KERNEL_DEVICES:  # torch's fused kernel, over fp32 lists
-                torch_fused_master_adamw_update_many(ws, gs, los, ms, vs, *args[:5], step, scale, keep, copies)
-                continue
-            if update is None:  # the CPU: the whole list at once, a few kernels per step of the formula
-                eager_master_adamw_update_many(ws, gs, los, ms, vs, *args, copies=copies)
+            if update is None:
+                if device.type in TORCH_KERNEL_DEVICES:  # torch's fused kernel, over fp32 lists
+                    torch_fused_master_adamw_update_many(ws, gs, los, ms, vs, *args[:5], step, scale, keep, copies)
+                else:  # the CPU: the whole list at once, a few kernels per step of the formula
+                    eager_master_adamw_update_many(ws, gs, los, ms, vs, *args, copies=copies)
                 continue
             if many is not None and many(ws, gs, los, ms, vs, *args, copies=copies,
                                          cache=self._launch_cache.setdefault((i, kind), {})):
