@@ -146,6 +146,30 @@ class _NoReadBack(TorchDispatchMode):
 LIST_SIZES = [(64, 32), (0,), (5000,), (7, 3), (1,), (40, 40)]
 
 
+# (step, clip scale, skip) of each update of the list tests; the skipped step does not count, and the
+# fourth update has neither a scale nor a skip to decide (None)
+LIST_SCHEDULE = [(1, 2.0, False), (2, 0.5, False), (3, 3.0, True), (3, None, None), (4, 1.5, False)]
+
+
+@pytest.fixture
+def list_masters(monkeypatch) -> list[torch.Tensor]:
+    """fp32 masters of LIST_SIZES, the CPU's update chunk made small enough to cut them."""
+    monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
+    torch.manual_seed(0)
+    return [torch.randn(s) for s in LIST_SIZES]
+
+
+def list_grads(state: list[dict], skip: bool) -> list[torch.Tensor]:
+    """A gradient for each parameter of `state`, in its dtype; all infinite for a step to skip."""
+    grads = [torch.randn(s["p"].shape).to(s["p"].dtype) for s in state]
+    return [g.fill_(float("inf")) for g in grads] if skip else grads
+
+
+def list_master(s: dict) -> torch.Tensor:
+    """The fp32 master list_state's entry `s` holds."""
+    return join_master(s["p"], s["lo"]) if "lo" in s else s["p"]
+
+
 def list_state(masters: list[torch.Tensor], kind: str, moments: torch.dtype) -> list[dict]:
     """Per fp32 master, what MasterAdamW holds for its kind: the parameter ("p": the master itself, or
     its bf16 rounding with the low bits "lo"), a bf16 "copy" for kind "copy", and zero moments."""
@@ -160,28 +184,19 @@ def list_state(masters: list[torch.Tensor], kind: str, moments: torch.dtype) -> 
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
 @pytest.mark.parametrize("kind", ["own", "copy", "lo"])
-def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
+def test_list_update_is_the_per_parameter_update(kind, moments, list_masters):
     """The eager update over a list (what MasterAdamW runs per group and kind, off CUDA's fused kernel)
     writes, bit for bit, what it writes parameter by parameter, for each kind of master: mixed sizes cut
     into chunks (one tensor larger than a chunk), an empty local shard among them (FSDP can leave a
     rank one), the clip's scale; a skipped step (`keep`) leaves every bit as it was, infinite gradients
     and all; no scale and no skip (None) are a scale of 1 and a `keep` of False. It reads no value back
     to the host (the skip and the scalars stay on the device)."""
-    monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
-    torch.manual_seed(0)
-    sizes = LIST_SIZES
-    masters = [torch.randn(s) for s in sizes]
-    state = lambda: list_state(masters, kind, moments)
-
-    whole, each = state(), state()
+    whole, each = list_state(list_masters, kind, moments), list_state(list_masters, kind, moments)
     los, copies = ([s[k] for s in whole] if k in whole[0] else None for k in ("lo", "copy"))
     lr = torch.tensor(1e-2)
-    # (clip scale, skip) per step; the skipped step does not count
-    for t, (scale, keep) in zip([1, 2, 3, 3, 4], [(2.0, False), (0.5, False), (3.0, True), (None, None), (1.5, False)]):
-        grads = [torch.randn(s).to(whole[0]["p"].dtype) for s in sizes]
-        if keep:
-            grads = [g.fill_(float("inf")) for g in grads]
-            before = [{k: x.clone() for k, x in s.items()} for s in whole]
+    for t, scale, keep in LIST_SCHEDULE:
+        grads = list_grads(whole, bool(keep))
+        before = [{k: x.clone() for k, x in s.items()} for s in whole]
         step = torch.tensor(float(t))
         args = (lr, 0.1, 0.9, 0.95, 1e-8, 1 - 0.9 ** step, (1 - 0.95 ** step).sqrt())
         with _NoReadBack():
@@ -194,34 +209,26 @@ def test_list_update_is_the_per_parameter_update(kind, moments, monkeypatch):
         assert _same_bits(whole, each), t
         if keep:
             assert _same_bits(whole, before)
-    for s, w in zip(whole, masters):  # it moved; each bf16 copy or parameter is its master's rounding
-        master = join_master(s["p"], s["lo"]) if kind == "lo" else s["p"]
+    for s, w in zip(whole, list_masters):  # it moved; each bf16 copy or parameter is its master's rounding
+        master = list_master(s)
         assert w.numel() == 0 or not torch.equal(master, w)
         assert kind == "own" or torch.equal(s.get("copy", s["p"]), master.bfloat16())
 
 
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
 @pytest.mark.parametrize("kind", ["own", "copy", "lo"])
-def test_torch_kernel_is_the_eager_update(kind, moments, monkeypatch):
+def test_torch_kernel_is_the_eager_update(kind, moments, list_masters):
     """torch's fused AdamW over fp32 lists (optimizer.fused false on CUDA; its CPU kernel here) follows
     the reference list update for each kind of master, chunked, with an empty shard, the clip's scale,
     no scale, and a skipped step that leaves every bit as it was: masters within fp32 rounding, each
     bf16 parameter or copy its master's rounding, the low bits and the moments stored as the reference
     stores them but where the two fp32 results straddle a rounding boundary."""
-    monkeypatch.setattr(titanlite.optim, "CPU_UPDATE_CHUNK", 3000)
-    torch.manual_seed(0)
-    sizes = LIST_SIZES
-    masters = [torch.randn(s) for s in sizes]
-    state = lambda: list_state(masters, kind, moments)
-
-    ours, ref = state(), state()
+    ours, ref = list_state(list_masters, kind, moments), list_state(list_masters, kind, moments)
     lists = lambda st, k: [s[k] for s in st] if k in st[0] else None
     lr = torch.tensor(1e-2)
-    for t, (scale, keep) in zip([1, 2, 3, 3, 4], [(2.0, False), (0.5, False), (3.0, True), (None, None), (1.5, False)]):
-        grads = [torch.randn(s).to(ours[0]["p"].dtype) for s in sizes]
-        if keep:
-            grads = [g.fill_(float("inf")) for g in grads]
-            before = [{k: x.clone() for k, x in s.items()} for s in ours]
+    for t, scale, keep in LIST_SCHEDULE:
+        grads = list_grads(ours, bool(keep))
+        before = [{k: x.clone() for k, x in s.items()} for s in ours]
         step = torch.tensor(float(t))
         scale, keep = (None if scale is None else torch.tensor(scale)), (None if keep is None else torch.tensor(keep))
         torch_fused_master_adamw_update_many(lists(ours, "p"), [g.clone() for g in grads], lists(ours, "lo"),
@@ -233,14 +240,13 @@ def test_torch_kernel_is_the_eager_update(kind, moments, monkeypatch):
         if keep:
             assert _same_bits(ours, before)
         for a, b in zip(ours, ref):
-            master = lambda s: join_master(s["p"], s["lo"]) if kind == "lo" else s["p"]
-            torch.testing.assert_close(master(a), master(b), rtol=2e-6, atol=1e-7)
-            assert torch.equal(a.get("copy", a["p"]), master(a).to(a.get("copy", a["p"]).dtype))
+            torch.testing.assert_close(list_master(a), list_master(b), rtol=2e-6, atol=1e-7)
+            assert torch.equal(a.get("copy", a["p"]), list_master(a).to(a.get("copy", a["p"]).dtype))
             for k in ("m", "v"):
                 torch.testing.assert_close(a[k].float(), b[k].float(), atol=1e-7,
                                            rtol=1e-5 if moments == torch.float32 else 2 ** -7)
-    for s, w in zip(ours, masters):  # it moved
-        assert w.numel() == 0 or not torch.equal(join_master(s["p"], s["lo"]) if kind == "lo" else s["p"], w)
+    for s, w in zip(ours, list_masters):  # it moved
+        assert w.numel() == 0 or not torch.equal(list_master(s), w)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
