@@ -26,6 +26,14 @@ only) and prints, for the first and the last rank:
 - the compute stream's longest idle stretches (over 30 us), by the kernels either side and what the
   other streams ran meanwhile: where in the step it waits, and on what.
 Compare a 1-GPU run with the N-GPU one: `--ngpus 1` profiles the same step alone.
+
+    python benchmarks/stream_profile.py --trace A.json [--trace B.json] [--steps N] [--out DIR]
+
+reads traces already written instead (no GPU): titanlite's `--profiling.enable` (one file per rank under
+<dump_folder>/profile_traces/), torchtitan's `--profiling.enable_profiling`, any torch.profiler Chrome trace. The
+steps a trace holds are its ProfilerStep marks, or --steps N where it has none (titanlite's). Each trace gets the
+report above; two or more also get their longest kernels side by side (ms per step, Inductor's numbering of its
+kernels left out, so that the same fused kernel of two runs meets), which is where two libraries' steps differ.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import sys
 import time
 
@@ -95,7 +104,7 @@ def analyse(events: list[dict], steps: float) -> dict:
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     by_stream = collections.defaultdict(list)
     for e in kernels:
-        by_stream[e["args"].get("stream", -1)].append(e)
+        by_stream[e.get("args", {}).get("stream", -1)].append(e)
     gemm = {s: sum(e["dur"] for e in es if category(e["name"]).startswith("gemm")) for s, es in by_stream.items()}
     cs = max(gemm, key=gemm.get)
     comp = sorted(by_stream[cs], key=lambda e: e["ts"])
@@ -143,7 +152,12 @@ def analyse(events: list[dict], steps: float) -> dict:
     def active(intervals) -> float:  # ms per step within the compute stream's span
         return _union([(max(a, t0), min(b, t1)) for a, b in intervals]) / ms
 
+    kernels = collections.Counter()
+    for e in comp:
+        kernels[re.sub(r"_\d+$", "", e["name"])] += e["dur"] / ms
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
+            # every kernel of the compute stream (ms per step), Inductor's trailing number left out
+            "kernels": dict(kernels.most_common()),
             "idle": idle / ms, "idle_during_comm": idle_comm / ms, "nccl_active": active(nccl),
             "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others,
             # each category's longest kernel on the compute stream (ms per step): what a category holds
@@ -186,26 +200,81 @@ def step_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(reports: list[tuple[str, dict]], rows: int = 20) -> str:
+    """Markdown: the longest kernels of the compute streams of several analysed traces, ms per step in each
+    (`reports`: (label, analyse's result)), longest first by their largest figure."""
+    names = {n for _, r in reports for n in r["kernels"]}
+    top = sorted(names, key=lambda n: -max(r["kernels"].get(n, 0.0) for _, r in reports))[:rows]
+    lines = ["| kernel | category | " + " | ".join(label for label, _ in reports) + " |",
+             "|---|---|" + "---|" * len(reports)]
+    for n in top:
+        lines.append(f"| {n[:90]} | {category(n)} | " + " | ".join(f"{r['kernels'][n]:.2f}" if n in r["kernels"] else "-"
+                                                               for _, r in reports) + " |")
+    lines.append("| all kernels | - | " + " | ".join(f"{sum(r['busy'].values()):.2f}" for _, r in reports) + " |")
+    return "\n".join(lines)
+
+
+def read_traces(paths: list[str], steps: int = 0, out: str = "") -> int:
+    """The reports of Chrome traces written before (`--trace`); 2 on a file that cannot be read, one line."""
+    reports, texts = [], []
+    for path in paths:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError) as e:
+            print(f"stream_profile: cannot read the trace {path}: {e.__class__.__name__}: {e}", file=sys.stderr)
+            return 2
+        events = data.get("traceEvents", []) if isinstance(data, dict) else data
+        # a profiled step is marked once on the host and once on the GPU (gpu_user_annotation): count the host's
+        marks = sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation")
+        n = marks or steps
+        if not n:
+            print(f"stream_profile: {path} has no ProfilerStep marks: give --steps N, the steps it holds", file=sys.stderr)
+            return 2
+        if not any(e.get("cat") == "kernel" for e in events):
+            print(f"stream_profile: {path} holds no GPU kernels (a trace of CUDA activity is needed)", file=sys.stderr)
+            return 2
+        r = analyse(events, n)
+        reports.append((os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path), r))
+        texts.append(report(r, f"{path}: {n} steps"))
+    if len(reports) > 1:
+        texts.append(side_by_side(reports))
+    text = "\n\n".join(texts)
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "stream_profile.md"), "w") as fh:
+            fh.write(f"stream_profile.py {' '.join('--trace ' + p for p in paths)}\n\n{text}\n")
+    return 0
+
+
 def _short(name: str) -> str:
     return f"{category(name)}:{name[:40]}"
 
 
-OWN = {"--ngpus": 0, "--out": "", "--timeout": 900}  # this script's options, before the training options
+# this script's options, before the training options: --trace repeats, --out and --trace take a path
+OWN = {"--ngpus": 0, "--out": "", "--timeout": 900, "--trace": (), "--steps": 0}
 
 
 def own_options(argv: list[str]) -> tuple[dict, list[str]]:
-    """The leading --ngpus N, --out DIR, --timeout S (any order, `--x v` or `--x=v`) and the training options
-    after them. A bad value is one line on stderr and exit 2."""
+    """The leading --ngpus N, --out DIR, --timeout S, --trace FILE (repeated), --steps N (any order, `--x v` or
+    `--x=v`) and the training options after them. A bad value is one line on stderr and exit 2."""
     opts, i = dict(OWN), 0
     while i < len(argv) and argv[i].split("=", 1)[0] in OWN:
         name, eq, value = argv[i].partition("=")
         if not eq:
             value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
         i += 1
-        if name != "--out" and not (value.isdigit() and int(value) > 0):
+        if name == "--trace":
+            opts[name] = (*opts[name], value)
+        elif name == "--out":
+            opts[name] = value
+        elif value.isdigit() and int(value) > 0:
+            opts[name] = int(value)
+        else:
             print(f"stream_profile: {name} takes a positive integer", file=sys.stderr)
             sys.exit(2)
-        opts[name] = value if name == "--out" else int(value)
     return opts, argv[i:]
 
 
@@ -231,6 +300,14 @@ def launch_and_report(ngpus: int, args: list[str], out: str = "", timeout: int =
 
 def main() -> None:
     opts, args = own_options(sys.argv[1:])
+    if opts["--trace"]:
+        if args:
+            print(f"stream_profile: --trace reads traces; it takes no training options ({args[0]} ...)", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(read_traces(list(opts["--trace"]), opts["--steps"], opts["--out"]))
+    if opts["--steps"]:
+        print("stream_profile: --steps counts the steps of a --trace file without ProfilerStep marks", file=sys.stderr)
+        sys.exit(2)
     if opts["--ngpus"] and "LOCAL_RANK" not in os.environ:
         sys.exit(launch_and_report(opts["--ngpus"], args, opts["--out"], opts["--timeout"]))
     import torch

@@ -1,5 +1,8 @@
 """benchmarks/stream_profile.py's timeline arithmetic, on a hand-made trace (the script itself needs a GPU)."""
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -132,8 +135,64 @@ def test_step_table_splits_the_step_by_category_and_idle_time():
 
 def test_own_options_come_before_the_training_options(capsys):
     opts, rest = stream_profile.own_options(["--ngpus", "4", "--out=/o", "--timeout", "150", "--model.flavor", "8B"])
-    assert opts == {"--ngpus": 4, "--out": "/o", "--timeout": 150} and rest == ["--model.flavor", "8B"]
+    assert opts == {**stream_profile.OWN, "--ngpus": 4, "--out": "/o", "--timeout": 150} and rest == ["--model.flavor", "8B"]
+    opts, rest = stream_profile.own_options(["--trace", "a.json", "--trace=b.json", "--steps", "3"])
+    assert (opts["--trace"], opts["--steps"], rest) == (("a.json", "b.json"), 3, [])
     assert stream_profile.own_options(["--compile.enable"]) == (stream_profile.OWN, ["--compile.enable"])
     with pytest.raises(SystemExit) as e:
         stream_profile.own_options(["--timeout", "0"])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == "stream_profile: --timeout takes a positive integer"
+
+
+def trace_file(path, kernels, marks):
+    """A Chrome trace as torch.profiler writes it: `kernels` (name, start us, duration us) on stream 7, and
+    `marks` ProfilerStep marks on the host, each with its twin on the GPU (which must not count twice)."""
+    events = [kernel(n, ts, dur, 7) for n, ts, dur in kernels]
+    for i in range(marks):
+        events += [{"cat": "user_annotation", "name": f"ProfilerStep#{i + 11}", "ts": 0, "dur": 1},
+                   {"cat": "gpu_user_annotation", "name": f"ProfilerStep#{i + 11}", "ts": 0, "dur": 1}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_traces_written_before_are_read_per_step_and_side_by_side(tmp_path, capsys):
+    """--trace: a trace's steps are its host ProfilerStep marks (else --steps); figures are ms per step; two
+    traces meet kernel by kernel, Inductor's numbering of a fused kernel left out."""
+    peer = trace_file(tmp_path / "peer.json", [("nvjet_sm90_tst_192x192", 0, 4000), ("triton_poi_fused_add_3", 4000, 1000),
+                                               ("nvjet_sm90_tst_192x192", 5000, 4000)], marks=2)
+    ours = trace_file(tmp_path / "ours.json", [("nvjet_sm90_tst_192x192", 0, 9000), ("triton_poi_fused_add_7", 9000, 600),
+                                               ("_master_adamw_many_kernel", 9600, 300)], marks=0)
+    assert stream_profile.read_traces([peer, ours], steps=3, out=str(tmp_path / "o")) == 0
+    text = capsys.readouterr().out
+    rows = {c[0]: c[2:] for c in (ln.strip("| ").split(" | ") for ln in text.splitlines()
+                                  if ln.startswith("| ") and ln.count("|") == 5)}
+    assert rows["nvjet_sm90_tst_192x192"] == ["4.00", "3.00"]      # 8 ms over 2 marked steps; 9 ms over --steps 3
+    assert rows["triton_poi_fused_add"] == ["0.50", "0.20"]       # _3 and _7: the same kernel
+    assert rows["_master_adamw_many_kernel"] == ["-", "0.10"]
+    assert rows["all kernels"] == ["4.50", "3.30"]
+    assert f"{peer}: 2 steps" in text and f"{ours}: 3 steps" in text
+    assert (tmp_path / "o" / "stream_profile.md").read_text().count("| all kernels |") == 1
+
+
+def test_a_trace_without_steps_or_kernels_is_refused_in_one_line(tmp_path, capsys):
+    bare = trace_file(tmp_path / "bare.json", [("nvjet_sm90_tst", 0, 10)], marks=0)
+    assert stream_profile.read_traces([bare]) == 2
+    assert capsys.readouterr().err.strip() == (f"stream_profile: {bare} has no ProfilerStep marks: give --steps N, "
+                                              "the steps it holds")
+    host_only = tmp_path / "cpu.json"
+    host_only.write_text(json.dumps([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]))
+    assert stream_profile.read_traces([str(host_only)], steps=1) == 2
+    assert "holds no GPU kernels" in capsys.readouterr().err
+    assert stream_profile.read_traces([str(tmp_path / "none.json")], steps=1) == 2
+    assert capsys.readouterr().err.startswith(f"stream_profile: cannot read the trace {tmp_path / 'none.json'}: ")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--trace", "t.json", "--model.flavor", "8B"],
+     "stream_profile: --trace reads traces; it takes no training options (--model.flavor ...)"),
+    (["--steps", "2", "--model.flavor", "8B"],
+     "stream_profile: --steps counts the steps of a --trace file without ProfilerStep marks")])
+def test_trace_options_out_of_place_are_one_line(argv, line):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == line
