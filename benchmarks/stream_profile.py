@@ -202,29 +202,43 @@ def step_table(r: dict) -> str:
 
 def side_by_side(reports: list[tuple[str, dict]], rows: int = 20) -> str:
     """Markdown: the longest kernels of the compute streams of several analysed traces, ms per step in each
-    (`reports`: (label, analyse's result)), longest first by their largest figure."""
+    (`reports`: (label, analyse's result)), longest first by their largest figure (ties by name)."""
     names = {n for _, r in reports for n in r["kernels"]}
-    top = sorted(names, key=lambda n: -max(r["kernels"].get(n, 0.0) for _, r in reports))[:rows]
+    top = sorted(names, key=lambda n: (-max(r["kernels"].get(n, 0.0) for _, r in reports), n))[:rows]
     lines = ["| kernel | category | " + " | ".join(label for label, _ in reports) + " |",
              "|---|---|" + "---|" * len(reports)]
     for n in top:
         lines.append(f"| {n[:90]} | {category(n)} | " + " | ".join(f"{r['kernels'][n]:.2f}" if n in r["kernels"] else "-"
                                                                for _, r in reports) + " |")
-    lines.append("| all kernels | - | " + " | ".join(f"{sum(r['busy'].values()):.2f}" for _, r in reports) + " |")
+    lines.append("| compute-stream kernels | - | " + " | ".join(f"{sum(r['busy'].values()):.2f}" for _, r in reports) + " |")
     return "\n".join(lines)
+
+
+def labels(paths: list[str]) -> list[str]:
+    """Each path by its shortest ending (in folders) that no other path shares: the column names of side_by_side."""
+    parts = [os.path.normpath(p).split(os.sep) for p in paths]
+    for k in range(1, max(len(q) for q in parts) + 1):
+        ends = ["/".join(q[-k:]) for q in parts]
+        if len(set(ends)) == len(ends):
+            return ends
+    return [f"{i + 1}: {p}" for i, p in enumerate(paths)]  # the same file given twice
 
 
 def read_traces(paths: list[str], steps: int = 0, out: str = "") -> int:
     """The reports of Chrome traces written before (`--trace`); 2 on a file that cannot be read, one line."""
     reports, texts = [], []
-    for path in paths:
+    for path, label in zip(paths, labels(paths)):
         try:
             with open(path) as fh:
                 data = json.load(fh)
         except (OSError, ValueError) as e:
             print(f"stream_profile: cannot read the trace {path}: {e.__class__.__name__}: {e}", file=sys.stderr)
             return 2
-        events = data.get("traceEvents", []) if isinstance(data, dict) else data
+        events = data.get("traceEvents") if isinstance(data, dict) else data
+        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+            print(f"stream_profile: {path} is not a Chrome trace (a list of events, or an object with traceEvents)",
+                  file=sys.stderr)
+            return 2
         # a profiled step is marked once on the host and once on the GPU (gpu_user_annotation): count the host's
         marks = sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
                     and e.get("cat") != "gpu_user_annotation")
@@ -232,11 +246,11 @@ def read_traces(paths: list[str], steps: int = 0, out: str = "") -> int:
         if not n:
             print(f"stream_profile: {path} has no ProfilerStep marks: give --steps N, the steps it holds", file=sys.stderr)
             return 2
-        if not any(e.get("cat") == "kernel" for e in events):
+        if not any(e.get("cat") == "kernel" and "dur" in e for e in events):
             print(f"stream_profile: {path} holds no GPU kernels (a trace of CUDA activity is needed)", file=sys.stderr)
             return 2
         r = analyse(events, n)
-        reports.append((os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path), r))
+        reports.append((label, r))
         texts.append(report(r, f"{path}: {n} steps"))
     if len(reports) > 1:
         texts.append(side_by_side(reports))
@@ -245,7 +259,8 @@ def read_traces(paths: list[str], steps: int = 0, out: str = "") -> int:
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stream_profile.md"), "w") as fh:
-            fh.write(f"stream_profile.py {' '.join('--trace ' + p for p in paths)}\n\n{text}\n")
+            given = f" --steps {steps}" if steps else ""
+            fh.write(f"stream_profile.py{given} {' '.join('--trace ' + p for p in paths)}\n\n{text}\n")
     return 0
 
 
@@ -267,6 +282,9 @@ def own_options(argv: list[str]) -> tuple[dict, list[str]]:
             value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
         i += 1
         if name == "--trace":
+            if not value:
+                print("stream_profile: --trace takes a path", file=sys.stderr)
+                sys.exit(2)
             opts[name] = (*opts[name], value)
         elif name == "--out":
             opts[name] = value
@@ -301,8 +319,10 @@ def launch_and_report(ngpus: int, args: list[str], out: str = "", timeout: int =
 def main() -> None:
     opts, args = own_options(sys.argv[1:])
     if opts["--trace"]:
-        if args:
-            print(f"stream_profile: --trace reads traces; it takes no training options ({args[0]} ...)", file=sys.stderr)
+        extra = [o for o in ("--ngpus", "--timeout") if opts[o] != OWN[o]] + args[:1]
+        if extra:
+            print(f"stream_profile: --trace reads traces written before: it takes no training options, --ngpus or "
+                  f"--timeout (got {extra[0]})", file=sys.stderr)
             sys.exit(2)
         sys.exit(read_traces(list(opts["--trace"]), opts["--steps"], opts["--out"]))
     if opts["--steps"]:

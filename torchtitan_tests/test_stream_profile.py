@@ -1,4 +1,5 @@
-"""benchmarks/stream_profile.py's timeline arithmetic, on a hand-made trace (the script itself needs a GPU)."""
+"""benchmarks/stream_profile.py's timeline arithmetic, on hand-made traces (its live profile needs a GPU; --trace
+reads traces written before)."""
 import importlib.util
 import json
 import subprocess
@@ -144,34 +145,47 @@ def test_own_options_come_before_the_training_options(capsys):
     assert e.value.code == 2 and capsys.readouterr().err.strip() == "stream_profile: --timeout takes a positive integer"
 
 
-def trace_file(path, kernels, marks):
+def trace_file(path, kernels, marks, bare=False):
     """A Chrome trace as torch.profiler writes it: `kernels` (name, start us, duration us) on stream 7, and
-    `marks` ProfilerStep marks on the host, each with its twin on the GPU (which must not count twice)."""
+    `marks` ProfilerStep marks on the host, each with its twin on the GPU (which must not count twice).
+    `bare`: the events as a plain list, the kernels without their args (streams unknown)."""
     events = [kernel(n, ts, dur, 7) for n, ts, dur in kernels]
+    if bare:
+        events = [{k: v for k, v in e.items() if k != "args"} for e in events]
     for i in range(marks):
         events += [{"cat": "user_annotation", "name": f"ProfilerStep#{i + 11}", "ts": 0, "dur": 1},
                    {"cat": "gpu_user_annotation", "name": f"ProfilerStep#{i + 11}", "ts": 0, "dur": 1}]
-    path.write_text(json.dumps({"traceEvents": events}))
+    path.write_text(json.dumps(events if bare else {"traceEvents": events}))
     return str(path)
 
 
 def test_traces_written_before_are_read_per_step_and_side_by_side(tmp_path, capsys):
     """--trace: a trace's steps are its host ProfilerStep marks (else --steps); figures are ms per step; two
     traces meet kernel by kernel, Inductor's numbering of a fused kernel left out."""
-    peer = trace_file(tmp_path / "peer.json", [("nvjet_sm90_tst_192x192", 0, 4000), ("triton_poi_fused_add_3", 4000, 1000),
-                                               ("nvjet_sm90_tst_192x192", 5000, 4000)], marks=2)
-    ours = trace_file(tmp_path / "ours.json", [("nvjet_sm90_tst_192x192", 0, 9000), ("triton_poi_fused_add_7", 9000, 600),
-                                               ("_master_adamw_many_kernel", 9600, 300)], marks=0)
+    (tmp_path / "peer").mkdir(), (tmp_path / "ours").mkdir()
+    peer = trace_file(tmp_path / "peer" / "rank0.json", [("nvjet_sm90_tst_192x192", 0, 4000),
+                                                         ("triton_poi_fused_add_3", 4000, 1000),
+                                                         ("nvjet_sm90_tst_192x192", 5000, 4000)], marks=2)
+    ours = trace_file(tmp_path / "ours" / "rank0.json", [("nvjet_sm90_tst_192x192", 0, 9000),
+                                                         ("triton_poi_fused_add_7", 9000, 600),
+                                                         ("_master_adamw_many_kernel", 9600, 300)], marks=0, bare=True)
     assert stream_profile.read_traces([peer, ours], steps=3, out=str(tmp_path / "o")) == 0
     text = capsys.readouterr().out
-    rows = {c[0]: c[2:] for c in (ln.strip("| ").split(" | ") for ln in text.splitlines()
-                                  if ln.startswith("| ") and ln.count("|") == 5)}
+    lines = text.splitlines()
+    side = lines[next(i for i, ln in enumerate(lines) if ln.startswith("| kernel | category")):]
+    table = [ln.strip("| ").split(" | ") for ln in side if ln.startswith("| ")]
+    assert table[0] == ["kernel", "category", "peer/rank0.json", "ours/rank0.json"]  # the files' shortest own names
+    rows = {c[0]: c[2:] for c in table[1:]}
+    assert list(rows) == ["nvjet_sm90_tst_192x192", "triton_poi_fused_add", "_master_adamw_many_kernel",
+                          "compute-stream kernels"]                # longest first
     assert rows["nvjet_sm90_tst_192x192"] == ["4.00", "3.00"]      # 8 ms over 2 marked steps; 9 ms over --steps 3
     assert rows["triton_poi_fused_add"] == ["0.50", "0.20"]       # _3 and _7: the same kernel
     assert rows["_master_adamw_many_kernel"] == ["-", "0.10"]
-    assert rows["all kernels"] == ["4.50", "3.30"]
+    assert rows["compute-stream kernels"] == ["4.50", "3.30"]
     assert f"{peer}: 2 steps" in text and f"{ours}: 3 steps" in text
-    assert (tmp_path / "o" / "stream_profile.md").read_text().count("| all kernels |") == 1
+    written = (tmp_path / "o" / "stream_profile.md").read_text()
+    assert written.startswith(f"stream_profile.py --steps 3 --trace {peer} --trace {ours}\n")
+    assert written.count("| compute-stream kernels |") == 1
 
 
 def test_a_trace_without_steps_or_kernels_is_refused_in_one_line(tmp_path, capsys):
@@ -185,14 +199,34 @@ def test_a_trace_without_steps_or_kernels_is_refused_in_one_line(tmp_path, capsy
     assert "holds no GPU kernels" in capsys.readouterr().err
     assert stream_profile.read_traces([str(tmp_path / "none.json")], steps=1) == 2
     assert capsys.readouterr().err.startswith(f"stream_profile: cannot read the trace {tmp_path / 'none.json'}: ")
+    for i, body in enumerate(['{"traceEvents": null}', "3", "[1, 2]"]):
+        odd = tmp_path / f"odd{i}.json"
+        odd.write_text(body)
+        assert stream_profile.read_traces([str(odd)], steps=1) == 2
+        assert capsys.readouterr().err.strip() == (f"stream_profile: {odd} is not a Chrome trace (a list of events, "
+                                                  "or an object with traceEvents)")
 
 
 @pytest.mark.parametrize("argv, line", [
     (["--trace", "t.json", "--model.flavor", "8B"],
-     "stream_profile: --trace reads traces; it takes no training options (--model.flavor ...)"),
+     "stream_profile: --trace reads traces written before: it takes no training options, --ngpus or --timeout "
+     "(got --model.flavor)"),
+    (["--ngpus", "2", "--trace", "t.json"],
+     "stream_profile: --trace reads traces written before: it takes no training options, --ngpus or --timeout "
+     "(got --ngpus)"),
+    (["--trace"], "stream_profile: --trace takes a path"),
     (["--steps", "2", "--model.flavor", "8B"],
      "stream_profile: --steps counts the steps of a --trace file without ProfilerStep marks")])
 def test_trace_options_out_of_place_are_one_line(argv, line):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), *argv],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == line
+
+
+def test_a_trace_is_read_from_the_command_line(tmp_path):
+    """The whole --trace path through main(), as a user runs it on a machine without a GPU."""
+    path = trace_file(tmp_path / "rank0.json", [("nvjet_sm90_tst_192x192", 0, 3000)], marks=0)
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), "--steps", "3", "--trace", path],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == ""
+    assert f"== {path}: 3 steps" in r.stdout and "| gemm bf16 | 1.00 | 100.0 | nvjet_sm90_tst_192x192 (1.00) |" in r.stdout
