@@ -231,7 +231,7 @@ def measure_in_one_process(names: list[str], profiled: list[str], budget_end: fl
 
 def kernel_breakdown(trace: str, steps: int) -> dict:
     """GPU kernel time per throughput term, per profiled step (ms), and the 15 longest kernels."""
-    events = json.load(open(trace)).get("traceEvents", [])
+    events = launch.trace_events(trace) or []
     per_term, per_kernel = {}, {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") != "kernel":

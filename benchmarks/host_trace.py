@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launch  # noqa: E402  (benchmarks/launch.py: its trace reader)
 
 # (part, pattern on a Python frame's "file(line): function" name), tried from the innermost frame out
 PARTS = (
@@ -107,10 +109,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args()
     try:
-        with gzip.open(a.trace) if a.trace.endswith(".gz") else open(a.trace) as f:
-            events = json.load(f)["traceEvents"]
-    except (OSError, ValueError, KeyError) as e:
+        events = launch.trace_events(a.trace)
+    except (OSError, ValueError) as e:
         print(f"host_trace: cannot read {a.trace}: {e}", file=sys.stderr)
+        sys.exit(2)
+    if events is None:
+        print(f"host_trace: cannot read {a.trace}: not a Chrome trace (no traceEvents)", file=sys.stderr)
         sys.exit(2)
     for tid, (busy, parts, funcs) in sorted(analyse(events).items(), key=lambda kv: -kv[1][0]):
         print(f"\n## thread {tid}: {busy:.1f} ms of host events (the step's wall time includes waits outside them)")

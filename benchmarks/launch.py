@@ -27,6 +27,7 @@ One titanlite configuration at the peer's shapes (LLaMA 1.36B, local batch 4, se
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -464,6 +465,16 @@ def load(path: str | Path) -> list[Result]:
     """The runs a script's JSON holds (what `save` wrote), as Results."""
     runs = json.loads(Path(path).read_text())["runs"]
     return [Result(**{k: v for k, v in d.items() if k in Result.__dataclass_fields__}) for d in runs]
+
+
+def trace_events(path: str | Path) -> list[dict] | None:
+    """The events of a torch.profiler Chrome trace (.json, or .json.gz as torch's TensorBoard handler
+    writes it): its `traceEvents`, or the file's list itself. None where the file is JSON but not a trace;
+    OSError and ValueError (not JSON) are the caller's to report."""
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as fh:
+        data = json.load(fh)
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    return events if isinstance(events, list) and all(isinstance(e, dict) for e in events) else None
 
 
 def fmt(v, spec: str) -> str:

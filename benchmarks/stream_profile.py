@@ -30,20 +30,23 @@ Compare a 1-GPU run with the N-GPU one: `--ngpus 1` profiles the same step alone
     python benchmarks/stream_profile.py --trace A.json [--trace B.json] [--steps N] [--out DIR]
 
 reads traces already written instead (no GPU): titanlite's `--profiling.enable` (one file per rank under
-<dump_folder>/profile_traces/), torchtitan's `--profiling.enable_profiling`, any torch.profiler Chrome trace. The
-steps a trace holds are its ProfilerStep marks, or --steps N where it has none (titanlite's). Each trace gets the
-report above; two or more also get their longest kernels side by side (ms per step, Inductor's numbering of its
-kernels left out, so that the same fused kernel of two runs meets), which is where two libraries' steps differ.
+<dump_folder>/profile_traces/), torchtitan's `--profiling.enable_profiling`, any torch.profiler Chrome trace
+(.json or .json.gz). The steps a trace holds are its ProfilerStep marks, or --steps N where it has none
+(titanlite's). Each trace gets the report above; two or more also get their compute streams' longest kernels
+side by side (ms per step, Inductor's numbering of its kernels left out, so that the same fused kernel of two
+runs meets), which is where two libraries' steps differ.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch  # noqa: E402  (benchmarks/launch.py: the one launcher, its trace reader)
 
 
 # Kernel name fragments (lower case). Inductor names a generated kernel (triton_poi_/red_/per_) after the ATen ops
@@ -229,13 +232,11 @@ def read_traces(paths: list[str], steps: int = 0, out: str = "") -> int:
     reports, texts = [], []
     for path, label in zip(paths, labels(paths)):
         try:
-            with open(path) as fh:
-                data = json.load(fh)
+            events = launch.trace_events(path)
         except (OSError, ValueError) as e:
             print(f"stream_profile: cannot read the trace {path}: {e.__class__.__name__}: {e}", file=sys.stderr)
             return 2
-        events = data.get("traceEvents") if isinstance(data, dict) else data
-        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        if events is None:
             print(f"stream_profile: {path} is not a Chrome trace (a list of events, or an object with traceEvents)",
                   file=sys.stderr)
             return 2
@@ -299,9 +300,6 @@ def own_options(argv: list[str]) -> tuple[dict, list[str]]:
 def launch_and_report(ngpus: int, args: list[str], out: str = "", timeout: int = 900) -> int:
     """Run this script on `ngpus` GPUs through the benchmark launcher (its run killed at `timeout` s, every
     worker with it); print its reports, and write them to OUT/stream_profile.md."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import launch
-
     rc, text, _ = launch.execute("stream_profile", launch.command(ngpus, [os.path.abspath(__file__), *args]), timeout)
     lines = text.splitlines()
     first = next((i for i, ln in enumerate(lines) if ln.startswith("== rank")), len(lines))
@@ -361,8 +359,7 @@ def main() -> None:
     if rank in (0, world - 1):
         time.sleep(0.5 * rank)  # keep the two ranks' reports apart
         tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.grad_accum
-        with open(path) as fh:
-            r = analyse(json.load(fh)["traceEvents"], steps)
+        r = analyse(launch.trace_events(path), steps)
         text = report(r, f"rank {rank}/{world}: {step_ms:.1f} ms/step without the profiler "
                          f"({tokens / step_ms * 1000:,.0f} tok/s per GPU); trace {path}")
         print(text, flush=True)

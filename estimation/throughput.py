@@ -11,10 +11,11 @@ Each phase (forward, backward, per micro-step; optimizer) costs the sum of its t
   gaps         kernels x gap_us, the GPU's idle time between dependent kernels
 and never less than the host's launch time (kernels x launch_us; none for a step replayed as a CUDA
 graph). Collectives, their overlap with forward/backward and what they take from the compute beside
-them are priced by titanlite.parallel.comm_model, the communication model diagnose shares: ring traffic / (bandwidth x
-link_efficiency) over the links they cross (estimate.inter_node_gbps between nodes), hidden behind the
-compute except the first all-gather, the last gradient reduction and the optimizer phase's
-collectives, each hidden one slowing the compute beside it by a measured rate (`beside_collectives`).
+them are priced by titanlite.parallel.comm_model, the communication model diagnose shares: ring
+traffic / (bandwidth x link_efficiency) over the links they cross (estimate.inter_node_gbps between
+nodes), hidden behind the compute except the first all-gather, the last gradient reduction and the
+optimizer phase's collectives, each hidden one slowing the compute beside it by a measured rate
+(`beside_collectives`).
 
 The rates come from estimation/calibration.json (`python -m estimation.calibrate` writes it from GPU
 measurements): a GPU's own fit where it has one, else the entry's value (fitted on an H100) as the same

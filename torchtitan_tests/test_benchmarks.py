@@ -417,7 +417,7 @@ def test_report_and_plot_with_made_up_curves(tmp_path):
 # ---------------------------------------------------------------------------------- other scripts
 def test_stream_profile_bad_gpu_count_is_one_line():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), "--ngpus", "x"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                       capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "stream_profile: --ngpus takes a positive integer"
 
 
@@ -702,6 +702,10 @@ def test_host_trace_sums_each_code_part_own_time_per_thread(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_trace.py"), str(tmp_path / "none.json")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cannot read" in bad.stderr
+    (tmp_path / "odd.json").write_text("[1, 2]")  # JSON, not a trace
+    odd = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_trace.py"), str(tmp_path / "odd.json")],
+                         capture_output=True, text=True)
+    assert odd.returncode == 2 and odd.stderr.count("\n") == 1 and "not a Chrome trace" in odd.stderr
 
 
 @pytest.mark.parametrize("args", [["--launch", "sometimes"], ["--busy", "many"], ["--trace"]])

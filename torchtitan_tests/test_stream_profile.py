@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 spec = importlib.util.spec_from_file_location("stream_profile", ROOT / "benchmarks" / "stream_profile.py")
 stream_profile = importlib.util.module_from_spec(spec)
@@ -219,7 +219,7 @@ def test_a_trace_without_steps_or_kernels_is_refused_in_one_line(tmp_path, capsy
      "stream_profile: --steps counts the steps of a --trace file without ProfilerStep marks")])
 def test_trace_options_out_of_place_are_one_line(argv, line):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), *argv],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == line
 
 
@@ -227,6 +227,20 @@ def test_a_trace_is_read_from_the_command_line(tmp_path):
     """The whole --trace path through main(), as a user runs it on a machine without a GPU."""
     path = trace_file(tmp_path / "rank0.json", [("nvjet_sm90_tst_192x192", 0, 3000)], marks=0)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_profile.py"), "--steps", "3", "--trace", path],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode == 0 and r.stderr == ""
     assert f"== {path}: 3 steps" in r.stdout and "| gemm bf16 | 1.00 | 100.0 | nvjet_sm90_tst_192x192 (1.00) |" in r.stdout
+
+
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path, capsys):
+    """torch's TensorBoard handler writes .json.gz: launch.trace_events opens it as it opens .json."""
+    import gzip
+
+    plain = trace_file(tmp_path / "rank0.json", [("nvjet_sm90_tst_192x192", 0, 3000)], marks=1)
+    packed = tmp_path / "rank0.json.gz"
+    with gzip.open(packed, "wt") as fh:
+        fh.write((tmp_path / "rank0.json").read_text())
+    assert stream_profile.read_traces([plain]) == 0
+    first = capsys.readouterr().out.replace(plain, "T")
+    assert stream_profile.read_traces([str(packed)]) == 0
+    assert capsys.readouterr().out.replace(str(packed), "T") == first
