@@ -1014,3 +1014,53 @@ def test_gpu_matrix_refuses_a_host_of_no_gpus_and_a_row_without_time(bad):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "--host-gpus must be at least 1 and --row-timeout positive")
+
+
+# -------------------------------------------------------------------------- float8_blocks.py
+def test_float8_blocks_reads_variants_and_refuses_bad_ones_in_one_line():
+    import float8_blocks as f
+
+    v = f.parse_variant("float8:rowwise:fast-wk+wv")
+    assert (v.float8, v.recipe, v.fast_accum, v.keep_bf16) == (True, "rowwise", True, {"wk", "wv"})
+    assert f.parse_variant("bf16") == f.Variant("bf16", False)
+    assert f.parse_variant("float8") == f.Variant("float8", True)
+    for bad, says in (("bf16:fast", "bf16, or float8"), ("float8:x", "'x'"), ("float8-wq+zz", "'zz'"),
+                      ("float8-", "''"), ("fp8", "bf16, or float8")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            f.parse_variant(bad)
+    for argv, says in ((["--variants", "bf16,float8:slow"], "'slow'"), (["--tokens", "1000"], "whole number"),
+                       (["--flavor", "9B"], "llama's flavors: debug"), (["--iters", "0"], "must be positive")):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float8_blocks.py"), *argv], capture_output=True,
+                           text=True, env=child_env(), timeout=120)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr
+
+
+def test_float8_blocks_converts_every_linear_but_those_kept_and_trains_them():
+    """titanlite's float8 (emulated on the CPU) on a block's linears but the kept ones, which stay nn.Linear;
+    the converted block runs forward and backward, gradients reaching every weight."""
+    import torch
+    import torch.nn as nn
+    from torchao.float8.float8_linear import Float8Linear
+
+    import float8_blocks as f
+    from titanlite.models.transformer import rope_cache
+
+    blocks, args = f.build("llama", "debug", 2, device="cpu")
+    f.convert(blocks, f.parse_variant("float8:fast-wk+w2"), emulate=True)
+    for block in blocks:
+        kinds = {fqn.split(".")[-1]: type(m) for fqn, m in block.named_modules() if isinstance(m, nn.Linear)}
+        assert set(kinds) == set(f.LINEARS)
+        assert {n for n, k in kinds.items() if k is nn.Linear} == {"wk", "w2"}
+        assert all(issubclass(k, Float8Linear) for n, k in kinds.items() if n not in ("wk", "w2"))
+        assert block.attention.wq.config.gemm_config_grad_input.use_fast_accum
+    x = torch.randn(2, 32, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    h = x
+    for b in blocks:
+        h = b(h, rope_cache(args.hdim, 32, args.rope_theta))
+    h.float().pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in blocks.parameters())
+    rows = [{"variant": "bf16", "ms": 4.0, "spread_ms": 0.1}, {"variant": "float8", "ms": 3.2, "spread_ms": 0.1},
+            {"variant": "float8-wk+w2", "ms": 4.0, "spread_ms": 0.2}, {"variant": "float8:rowwise", "error": "X: y"}]
+    got = {r["variant"]: r for r in md_tables(f.table(rows))[0]}
+    assert (got["float8"]["vs bf16"], got["float8-wk+w2"]["vs float8"]) == ("1.250", "0.800")
+    assert got["float8:rowwise"]["ms per block"] == "X: y" and got["bf16"]["vs float8"] == "0.800"
