@@ -1,5 +1,6 @@
-"""Where float8 pays inside a block: a stack of the model's transformer blocks on one GPU, each compiled as a
-training run compiles it, forward and backward at a step's tokens, in bf16 and in float8 variants.
+"""Where float8 pays inside a block: a stack of the model's transformer blocks on one GPU, each block compiled on
+its own (torch.compile, as compile.enable compiles a run's blocks), forward and backward at a step's tokens, in bf16
+and in float8 variants.
 
   python benchmarks/float8_blocks.py                                   # LLaMA-3.1-8B, 2 x 8192 tokens
   python benchmarks/float8_blocks.py --model llama --flavor 1.36B --seq 2048 --tokens 32768 \\
@@ -77,8 +78,7 @@ def convert(blocks, v: Variant, emulate: bool = False) -> None:
 
 
 def build(model: str, flavor: str, n: int, device: str = "cuda"):
-    """`n` of the flavor's transformer blocks in bf16, initialised as a run's (std 0.02 matrices), and the
-    model's arguments."""
+    """`n` of the flavor's transformer blocks in bf16 (matrices drawn with std 0.02), and the model's arguments."""
     import torch
     import torch.nn as nn
 
