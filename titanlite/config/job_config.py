@@ -195,7 +195,9 @@ class Compile:
 @dataclass
 class Float8:
     enable: bool = doc(False, "float8 training via torchao on H100-class GPUs")
-    recipe: Literal["tensorwise", "rowwise"] = doc("tensorwise", "torchao float8 scaling recipe")
+    recipe: Literal["tensorwise", "rowwise"] = doc("tensorwise", "torchao float8 scaling recipe: one scale per tensor, "
+                                                   "or per row (its casts cost more: 0.79-0.84x tensorwise's speed on "
+                                                   "H200, docs/performance.md)")
     emulate: bool = doc(False, "emulate float8 (for tests on CPU / older GPUs; slow)")
     backward_fast_accum: bool = doc(False, "the backward's float8 GEMMs (input and weight gradients) "
                                     "accumulate in the GPU's fast, less precise mode, as the forward's "
