@@ -93,7 +93,7 @@ FLOAT8_TOKENS = {
     **{f"b{b}_float8{'_graphs' if b == 1 else ''}": (1, H100_CFG, [
         "--training.local_batch_size", str(b), "--training.global_batch_size", "-1", "--float8.enable",
         *(GRAPHS if b == 1 else [])]) for b in (1, 2, 16)},
-    # the rowwise recipe: per-row scales, other GEMM kernels (float8_rowwise_efficiency) and casts
+    # the rowwise recipe: scales per row (and per column for the backward's operands), its own casts and forward GEMM
     **{f"b{b}_float8_rowwise": (1, H100_CFG, ["--training.local_batch_size", str(b), "--training.global_batch_size",
                                               "-1", "--float8.enable", "--float8.recipe", "rowwise"]) for b in (4, 16)},
     "b1_graphs": (1, H100_CFG, ["--training.local_batch_size", "1", "--training.global_batch_size", "-1", *GRAPHS]),

@@ -95,7 +95,8 @@ def build(model: str, flavor: str, n: int, device: str = "cuda"):
 
 
 def time_variant(a: argparse.Namespace, v: Variant) -> dict:
-    """ms per block of `v`'s compiled blocks, forward and backward of a mean-square loss."""
+    """ms per block of `v`'s compiled blocks, forward and backward of a mean-square loss. The weights' gradients
+    add up over the steps, as a run's do over the micro-steps of gradient accumulation."""
     import torch
 
     from titanlite.models.transformer import rope_cache
@@ -103,7 +104,7 @@ def time_variant(a: argparse.Namespace, v: Variant) -> dict:
     blocks, args = build(a.model, a.flavor, a.blocks)
     if v.float8:
         convert(blocks, v)
-    compiled = [torch.compile(b) for b in blocks]
+    compiled = [torch.compile(b, fullgraph=True) for b in blocks]  # as titanlite.parallel.apply.apply_compile
     rope = rope_cache(args.hdim, a.seq, args.rope_theta, device="cuda")
     x0 = torch.randn(a.tokens // a.seq, a.seq, args.dim, device="cuda", dtype=torch.bfloat16) * 0.5
 
@@ -174,9 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9):
-        print("float8_blocks: needs a CUDA GPU that runs float8 matmuls (compute capability 8.9 or later)",
-              file=sys.stderr)
+    from titanlite.hardware import FLOAT8_CAPABILITY
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < FLOAT8_CAPABILITY:
+        print("float8_blocks: needs a CUDA GPU that runs float8 matmuls (compute capability "
+              f"{'.'.join(map(str, FLOAT8_CAPABILITY))} or later)", file=sys.stderr)
         sys.exit(2)
     rows = []
     for v in a.plan:
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "float8_blocks.json").write_text(json.dumps({"device": name, "torch": torch.__version__, **{
         k: getattr(a, k) for k in ("model", "flavor", "seq", "tokens", "blocks", "iters", "repeats")}, "rows": rows},
         indent=1))
+    if not any("ms" in r for r in rows):
+        sys.exit(1)  # nothing timed: every row says why
 
 
 if __name__ == "__main__":

@@ -1033,6 +1033,13 @@ def test_float8_blocks_reads_variants_and_refuses_bad_ones_in_one_line():
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float8_blocks.py"), *argv], capture_output=True,
                            text=True, env=child_env(), timeout=120)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # good options on a machine without a float8 GPU: one line, exit 2
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float8_blocks.py"), "--flavor", "debug"],
+                           capture_output=True, text=True, env=child_env(), timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "float8_blocks: needs a CUDA GPU that runs float8 matmuls (compute capability 8.9 or later)"]
 
 
 def test_float8_blocks_converts_every_linear_but_those_kept_and_trains_them():
@@ -1064,3 +1071,9 @@ def test_float8_blocks_converts_every_linear_but_those_kept_and_trains_them():
     got = {r["variant"]: r for r in md_tables(f.table(rows))[0]}
     assert (got["float8"]["vs bf16"], got["float8-wk+w2"]["vs float8"]) == ("1.250", "0.800")
     assert got["float8:rowwise"]["ms per block"] == "X: y" and got["bf16"]["vs float8"] == "0.800"
+    from torchao.float8.config import ScalingGranularity
+
+    rowwise, _ = f.build("llama", "debug", 1, device="cpu")
+    f.convert(rowwise, f.parse_variant("float8:rowwise"), emulate=True)
+    assert rowwise[0].feed_forward.w2.config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+    assert blocks[0].feed_forward.w1.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
