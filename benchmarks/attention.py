@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 row.update(time_backend(name, dims, a.iters))
             except Exception as e:  # a backend that cannot run this shape is a row, not a stop
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                row["error"] = launch.exception_line(e, 120)
             rows.append(row)
             print(f"  {label} {name}: " + (row.get("error") or f"{row['ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s, "
                                                                f"first call {row['first_s']:.1f} s"), flush=True)

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             row = {"variant": v.name, **time_variant(a, v)}
         except Exception as e:  # a variant that cannot run here is a row, not a stop
-            row = {"variant": v.name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"}
+            row = {"variant": v.name, "error": launch.exception_line(e)}
         row["s"] = round(time.time() - t0)
         rows.append(row)
         figure = row.get("error") or f"{row['ms']:.3f} ms a block"

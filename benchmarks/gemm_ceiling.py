@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             r["ms"] = time_gemm(r["gemm"], r["precision"], a.tokens, r["in"], r["out"], a.iters)
             r["tflops"] = r["flops"] / (r["ms"] / 1e3) / 1e12
         except Exception as e:  # a GEMM that cannot run here is a row, not a stop
-            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            r["error"] = launch.exception_line(e)
         print(f"  {r['names']} {r['gemm']} {r['precision']}: " + (r.get("error") or f"{r['ms']:.3f} ms, "
               f"{r['tflops']:.0f} TFLOP/s"), flush=True)
         torch.cuda.empty_cache()

@@ -477,6 +477,12 @@ def trace_events(path: str | Path) -> list[dict] | None:
     return events if isinstance(events, list) and all(isinstance(e, dict) for e in events) else None
 
 
+def exception_line(e: BaseException, width: int = 100) -> str:
+    """`e` as a table row's error cell: its type and the first line of its message, cut at `width` characters."""
+    message = str(e)
+    return f"{type(e).__name__}: {message.splitlines()[0][:width] if message else ''}"
+
+
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 

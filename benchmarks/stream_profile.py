@@ -155,12 +155,12 @@ def analyse(events: list[dict], steps: float) -> dict:
     def active(intervals) -> float:  # ms per step within the compute stream's span
         return _union([(max(a, t0), min(b, t1)) for a, b in intervals]) / ms
 
-    kernels = collections.Counter()
+    per_kernel = collections.Counter()
     for e in comp:
-        kernels[re.sub(r"_\d+$", "", e["name"])] += e["dur"] / ms
+        per_kernel[re.sub(r"_\d+$", "", e["name"])] += e["dur"] / ms
     return {"stream": cs, "span": (t1 - t0) / ms, "busy": {k: v / ms for k, v in cats.most_common()},
             # every kernel of the compute stream (ms per step), Inductor's trailing number left out
-            "kernels": dict(kernels.most_common()),
+            "kernels": dict(per_kernel.most_common()),
             "idle": idle / ms, "idle_during_comm": idle_comm / ms, "nccl_active": active(nccl),
             "copies_active": active(copies), "compute_overlapping_comm": overlap / ms, "other_streams": others,
             # each category's longest kernel on the compute stream (ms per step): what a category holds

@@ -97,6 +97,15 @@ def test_error_line_names_the_cause(text, rc, why):
     assert launch.error_line(text, rc, 30) == why
 
 
+def test_exception_line_is_a_row_cell_of_one_line():
+    """What gemm_ceiling, attention and float8_blocks write for a row that raised: type, first line, cut."""
+    assert launch.exception_line(RuntimeError("CUDA error: out of memory\nmore detail")) == \
+        "RuntimeError: CUDA error: out of memory"
+    assert launch.exception_line(ValueError("x" * 300), 120) == "ValueError: " + "x" * 120
+    assert launch.exception_line(ValueError("y" * 300)) == "ValueError: " + "y" * 100
+    assert launch.exception_line(KeyError()) == "KeyError: "
+
+
 def test_peer_run_reports_why_it_failed_though_run_sh_exits_0(tmp_path, monkeypatch):
     script = tmp_path / launch.PEERS["0.3.0"]
     script.parent.mkdir(parents=True)
