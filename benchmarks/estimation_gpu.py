@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
+import stream_profile  # noqa: E402  (its category(): the one classifier of kernel names)
 
 H100_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_h100.toml")
 B200_CFG = os.path.join(ROOT, "train_configs/llama_1.36b_b200.toml")
@@ -120,20 +121,11 @@ PROFILED = {1: ["b8", "b4_float8", "b4_bf16_params_moments"], 2: ["ddp2_b24", "f
 PROFILE = ["--profiling.enable", "--profiling.start_step", "5", "--profiling.num_steps", "2"]
 RECOMMEND_TARGET = 32  # sequences of 2048 tokens per step on 1 GPU
 
-# Kernel name fragments -> the throughput model's term; the first match wins (optimizer before element-wise).
-# Inductor names a generated kernel after the ATen ops fused into it, which for float8's casts include
-# _scaled_mm (its scales and operand layouts): its pointwise, reduction and persistent-reduction kernels
-# are sorted as fused before any GEMM or attention name is matched.
-KERNELS = [
-    ("comm", ("nccl",)),
-    ("optimizer", ("adam", "master_adamw", "lpnorm", "multi_tensor_apply", "foreach")),
-    ("fused", ("triton_poi_", "triton_red_", "triton_per_")),
-    ("attention", ("cudnn", "flash", "fmha", "attention", "sdpa")),
-    ("gemm_float8", ("e4m3", "e5m2", "fp8", "float8")),
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_scaled_mm", "sm90_", "sm100_")),
-    ("fused", ("triton",)),
-    ("elementwise", ("",)),
-]
+# stream_profile's kernel categories (the benchmarks' one classifier of kernel names) -> the throughput model's
+# terms; a category not named here counts as element-wise (ATen's kernels, FSDP's copies, the rest)
+TERM_OF = {"gemm bf16": "gemm", "gemm float8": "gemm_float8", "attention fwd": "attention",
+           "attention bwd": "attention", "triton": "fused", "triton f8 cast": "fused",
+           "optimizer (MasterAdamW)": "optimizer", "foreach": "optimizer", "nccl": "comm"}
 
 
 def log(msg: str) -> None:
@@ -240,8 +232,7 @@ def kernel_breakdown(trace: str, steps: int) -> dict:
         if e.get("ph") != "X" or e.get("cat") != "kernel":
             continue
         name = str(e.get("name", ""))
-        low = name.lower()
-        term = next(t for t, frags in KERNELS if any(f in low for f in frags))
+        term = TERM_OF.get(stream_profile.category(name), "elementwise")
         per_term[term] = per_term.get(term, 0.0) + e.get("dur", 0.0) / 1000
         per_kernel[name[:80]] = per_kernel.get(name[:80], 0.0) + e.get("dur", 0.0) / 1000
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
@@ -344,7 +335,7 @@ def table(results: dict) -> str:
     return "\n".join(lines + terms_table(results))
 
 
-# The throughput model's terms (estimation.throughput) -> the profile's kernel terms (KERNELS) they predict
+# The throughput model's terms (estimation.throughput) -> the profile's kernel terms (TERM_OF's) they predict
 TERMS = {"gemm": ("gemm", "gemm_float8"), "attention": ("attention",), "elementwise": ("fused", "elementwise"),
          "optimizer": ("optimizer",), "comm_total": ("comm",)}
 

@@ -13,7 +13,7 @@ After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 mor
 only) and prints, for the first and the last rank:
 - the compute stream (the one with the most GEMM time): a table of its step in ms by kernel category
   (CATEGORIES, by kernel name: GEMMs in bf16 and in float8 (cuBLAS's _scaled_mm kernels, named with
-  e4m3/e5m2), attention forward and backward (cuDNN, flash, mem-efficient, FlexAttention), Inductor's
+  e4m3/e5m2 or, nvjet's, with q/r among their type letters), attention forward and backward (cuDNN, flash, mem-efficient, FlexAttention), Inductor's
   Triton kernels ("triton f8 cast": one with a float8 cast or amax fused in), ATen's element-wise
   kernels, MasterAdamW's Triton update, foreach kernels, FSDP's copies, NCCL), each with its longest
   kernel, and its idle time, with the part of it spent while communication ran on another stream
@@ -56,7 +56,10 @@ GENERATED = ("triton_poi_", "triton_red_", "triton_per_")
 F8_CAST = ("scaled_mm", "abs", "clamp")  # torchao's float8 casts and amax reductions, fused into Inductor's kernels
 ATTENTION = ("cudnn", "flash", "fmha", "flex_attention")
 BACKWARD = ("bprop", "bwd", "backward", "cutlassb")  # cuDNN's bprop, flash-attn's bwd, mem-efficient's fmha_cutlassB
-FLOAT8_GEMM = ("e4m3", "e5m2", "fp8", "f8f8")  # cuBLAS's _scaled_mm kernels carry their operand types
+FLOAT8_GEMM = ("e4m3", "e5m2", "fp8", "f8f8")  # cuBLAS's sm90_xmma _scaled_mm kernels carry their operand types
+# cuBLAS's nvjet kernels carry them as letters after the architecture: nvjet_sm90_qqtst_... (q e4m3, r e5m2; t bf16,
+# s fp32, h fp16), as torch 2.11's cuBLAS names its float8 GEMMs on H200
+NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([a-z]+)_")
 GEMM = ("nvjet", "gemm", "cutlass", "xmma", "cublas", "triton_tem_")
 CATEGORIES = ("gemm bf16", "gemm float8", "attention fwd", "attention bwd", "triton", "triton f8 cast",
               "elementwise (aten)", "optimizer (MasterAdamW)", "foreach", "fsdp copy", "nccl", "memcpy", "memset",
@@ -77,7 +80,9 @@ def category(name: str) -> str:
     if "split_with_sizes_copy" in low or "chunk_cat" in low:
         return "fsdp copy"
     if any(f in low for f in GEMM):
-        return "gemm float8" if any(f in low for f in FLOAT8_GEMM) else "gemm bf16"
+        nvjet = NVJET_TYPES.search(low)
+        float8 = any(f in low for f in FLOAT8_GEMM) or (nvjet is not None and bool(set(nvjet.group(1)) & set("qr")))
+        return "gemm float8" if float8 else "gemm bf16"
     if "multi_tensor" in low or "foreach" in low:
         return "foreach"
     if "memcpy" in low:

@@ -559,24 +559,29 @@ def kernel_terms(tmp_path, kernels: dict[str, float]) -> dict[str, float]:
 
 def test_estimation_gpu_sorts_the_profiles_kernels_into_the_models_terms(tmp_path):
     """The profile that estimation.calibrate fits the rates on: MasterAdamW's Triton kernels count as the
-    optimizer (not as element-wise work), Inductor's as fused, cuBLAS's as GEMMs, cuDNN's as attention."""
+    optimizer (not as element-wise work), Inductor's as fused, cuBLAS's and Inductor's GEMM templates as GEMMs,
+    cuDNN's as attention, NCCL's as communication, FSDP's copies as element-wise: stream_profile's categories."""
     names = {"_master_adamw_kernel": 12.0, "_master_adamw_many_kernel": 1.0, "triton_poi_fused_add_6": 3.0,
              "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": 80.0, "void at::native::vectorized_gather_kernel": 0.5,
              "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 9.0,
-             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LpNormFunctor>": 2.0}
-    assert kernel_terms(tmp_path, names) == {"optimizer": 15.0, "fused": 3.0, "gemm": 80.0, "elementwise": 0.5,
-                                             "attention": 9.0}
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<LpNormFunctor>": 2.0,
+             "triton_tem_fused_mm_0": 4.0, "ncclDevKernel_AllGather_RING_LL": 6.0,
+             "void at::native::split_with_sizes_copy_out_contiguous_no_cast_kernel<c10::BFloat16>": 0.25}
+    assert kernel_terms(tmp_path, names) == {"optimizer": 15.0, "fused": 3.0, "gemm": 84.0, "elementwise": 0.75,
+                                             "attention": 9.0, "comm": 6.0}
 
 
 def test_inductors_float8_cast_kernels_count_as_fused_not_gemm(tmp_path):
     """Inductor names its kernels after the ATen ops they fuse: float8's casts carry _scaled_mm (their
     scales and transposes come from it) and may carry attention's ops; they are generated kernels (fused),
-    while cuBLAS's float8 GEMM stays a float8 GEMM."""
+    while cuBLAS's float8 GEMMs (sm90_xmma's e4m3, nvjet's q/r type letters) stay float8 GEMMs."""
     names = {"triton_poi_fused__scaled_mm__to_copy_clamp_mul_reciprocal_t_view_4": 2.0,
              "triton_red_fused__to_copy_abs_clamp_max_mul_reciprocal_3": 0.5,
              "triton_per_fused__scaled_dot_product_cudnn_attention__to_copy_abs_max_1": 0.25,
-             "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas": 7.0}
-    assert kernel_terms(tmp_path, names) == {"fused": 2.75, "gemm_float8": 7.0}
+             "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas": 7.0,
+             "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": 3.0,
+             "nvjet_sm90_tss_192x192_64x3_1x2_h_badd_coopB_NTN": 1.5}
+    assert kernel_terms(tmp_path, names) == {"fused": 2.75, "gemm_float8": 10.0, "gemm": 1.5}
 
 
 def test_estimation_gpu_table_sets_each_profiled_term_beside_its_prediction():
