@@ -31,7 +31,8 @@ from launch import (WORK, Parser, execute, fmt, fresh_folder, gpu_names, run_log
 
 PRESETS = {"llama": "train_configs/llama_1.36b_b200.toml", "qwen": "train_configs/qwen3_1.8b_b200.toml"}
 FIRST_STEP = re.compile(r"^(?:\[rank0\]:)?step\s+1/")
-RESTART = re.compile(r"starting again at local batch (\d+) x accumulation (\d+).* keeps the global batch (\d+)")
+RESTART = re.compile(r"starting again (?:with activation_checkpoint\.mode=(\w+) )?at local batch (\d+) x accumulation "
+                     r"(\d+).* keeps the global batch (\d+)")
 
 
 def run(name: str, args: list[str], ngpus: int, steps: int, timeout: int) -> dict:
@@ -58,8 +59,8 @@ def did(lines: list[tuple[float, str]], rc: int | None, off: bool) -> tuple[str,
     for t, line in lines:
         text = re.sub(r"^\[rank\d+\]:", "", line)
         if m := RESTART.search(text):
-            return f"local batch {m[1]} x accumulation {m[2]} (started again)", t, text
-        if text.startswith("error:") and "needs a predicted" in text:
+            return f"{f'AC {m[1]}, ' if m[1] else ''}local batch {m[2]} x accumulation {m[3]} (started again)", t, text
+        if text.startswith("error:") and ("needs a predicted" in text or "does not fit even at" in text):
             return "refused", t, text
         if text.startswith(("memory check:", "warning: memory check:", "memory check skipped")):
             verdict = "ran as written" + (" (tight)" if text.startswith("warning") else "")
@@ -75,7 +76,7 @@ def cases(chosen: dict) -> dict[str, list[str]]:
     fit = ["--job.config_file", PRESETS["llama"]]
     if chosen:
         fit += ["--training.local_batch_size", str(chosen["local"]), "--training.global_batch_size",
-                str(chosen["global_batch"])]
+                str(chosen["global_batch"])] + (["--activation_checkpoint.mode", chosen["ac"]] if chosen["ac"] else [])
     return {"llama": ["--job.config_file", PRESETS["llama"]],
             "qwen": ["--job.config_file", PRESETS["qwen"]],
             "llama_refuse": ["--job.config_file", PRESETS["llama"], "--training.memory_fit", "check"],
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
         r = run(f"{name}_{a.ngpus}gpu", cases(chosen)[name], a.ngpus, a.steps, a.timeout)
         r["case"], r["gpu"] = name, gpu
         if name == "llama" and (m := RESTART.search(r["line"] or "")):
-            chosen.update(local=int(m[1]), global_batch=int(m[3]))
+            chosen.update(ac=m[1], local=int(m[2]), global_batch=int(m[4]))
         results.append(r)
     rows = [f"| {r['case']} | {a.ngpus} x {r['gpu']} | {r['did']} | {fmt(r['check_s'], '.1f')} | "
             f"{fmt(r['first_step_s'], '.1f')} | {fmt(r['peak_gib'], '.2f')} | {r['wall_s']:.0f} |" for r in results]

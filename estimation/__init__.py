@@ -19,4 +19,9 @@ class EstimateWarning(UserWarning):
 class DoesNotFit(ConfigError):
     """The estimate's answer that a configuration fits the GPU at no batch it may run: a result, which the
     memory check before a run acts on, unlike an estimate that failed (any other error). A ConfigError,
-    so `python -m estimation` says it in one line with exit code 2."""
+    so `python -m estimation` says it in one line with exit code 2. `why`: the message without its advice
+    (what does not fit, by how much), for a line that goes on to say what does."""
+
+    def __init__(self, message: str, why: str | None = None):
+        super().__init__(message)
+        self.why = why or message

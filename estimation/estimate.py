@@ -283,10 +283,11 @@ def estimate(cfg, progress=_progress) -> dict:
                 f"its model state and one sequence's block inputs (training.seq_len {seq:,}) "
                 f"{(state + floor) / GIB:,.1f} GiB")
         budget_of = lambda n: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, "fsdp")).budget
-        raise DoesNotFit(
-            f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local batch "
-            f"1: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB; what could: "
-            f"{what_could_fit(cfg, args, world, budget_of)}")
+        ac = cfg.activation_checkpoint.mode  # named where a fake step's peak says it: the floors hold for any
+        with_ac = f" with activation_checkpoint.mode={ac}" if ac != "none" and r1 else ""
+        why = (f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local "
+               f"batch 1{with_ac}: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB")
+        raise DoesNotFit(f"{why}; what could: {what_could_fit(cfg, args, world, budget_of)}", why=why)
 
     res = results.get(local)
     fits_configured = res is not None and fits(res.peak_bytes)

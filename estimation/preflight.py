@@ -3,18 +3,21 @@ start-up: `python -m estimation.preflight --world-size W --nodes N --hardware KE
 
 It predicts the job's peak memory per GPU on that GPU with `estimation.estimate` (the configured local
 batch, and where that does not fit, the batch search up to it, its answer measured at the accumulation
-it runs with), on N nodes of W / N GPUs as the ranks are laid out (hsdp's default mesh shards inside
-a node), and prints one JSON line, what the launcher does: {"action": "none" | "warn" | "stop" |
-"restart", "line": the line to print, "args": the options to restart with}. `stop` names the predicted
-peak, the GPU's memory and the command (C followed by ARGS, the batch options replaced) that fits;
-`restart` (training.memory_fit=adjust, one node) the local batch it starts again at. The global batch
-is kept: the configured one, or local x ranks where it is -1, with the accumulation raised. Only the
-estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a prediction that fails
-(any other error, a ConfigError included) says so in its line and stops nothing.
+it runs with; where no batch keeping the global batch fits, the same with stronger activation
+checkpointing, selective then full), on N nodes of W / N GPUs as the ranks are laid out (hsdp's
+default mesh shards inside a node), and prints one JSON line, what the launcher does: {"action":
+"none" | "warn" | "stop" | "restart", "line": the line to print, "args": the options to restart
+with}. `stop` names the predicted peak, the GPU's memory and the command (C followed by ARGS, the
+batch options, and the checkpointing where it was raised, replaced) that fits; `restart`
+(training.memory_fit=adjust, one node) the local batch (and checkpointing) it starts again at. The
+global batch is kept: the configured one, or local x ranks where it is -1, with the accumulation
+raised. Only the estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a
+prediction that fails (any other error, a ConfigError included) says so in its line and stops nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shlex
@@ -29,6 +32,7 @@ from titanlite.parallel.launcher_env import Launch
 from estimation import DoesNotFit
 from estimation.estimate import estimate
 from estimation.hardware import get_hardware
+from estimation.recommend import AC_CHOICES
 
 BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size", "training.memory_fit")
 
@@ -49,37 +53,73 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
     where = f"{world} x {hw.device_name}" + (f", {mode}" if world > 1 else "")
     try:
         report = estimate(cfg, progress=lambda _line: None)
-    except DoesNotFit as e:  # not even local batch 1 fits: the estimate says what could. Any other error
-        return {"action": "stop", "line": f"error: {e}"}  # is a failed prediction, which stops nothing (main)
-    m, search = report["memory"], report["batch_search"]
-    took = f"{time.perf_counter() - t0:.0f} s"
-    if m["fits"]:
-        line = (f"memory check: {cfg.model.name}/{cfg.model.flavor} at local batch {local} on {where}: predicted "
-                f"peak {m['peak_gib']:.2f} GiB per GPU of {hw.memory_gib:.1f} GiB ({took})")
-        if m["tight"]:
-            return {"action": "warn", "line": f"warning: {line}, inside the allocator's {m['allocator_headroom']:.0%} "
-                                              f"headroom: the steps may slow while it releases its cache, or run "
-                                              f"out of memory"}
-        return {"action": "none", "line": line}
+    except DoesNotFit as e:  # not even local batch 1 fits: the estimate says why and what could. Any other
+        report, nothing = None, e  # error is a failed prediction, which stops nothing (main)
+    if report is not None and report["memory"]["fits"]:
+        m = report["memory"]
+        head = (f"memory check: {cfg.model.name}/{cfg.model.flavor} at local batch {local} on {where}: predicted "
+                f"peak {m['peak_gib']:.2f} GiB per GPU of {hw.memory_gib:.1f} GiB")
+        took = f"{time.perf_counter() - t0:.0f} s"
+        if not m["tight"]:
+            return {"action": "none", "line": f"{head} ({took})"}
+        inside = f"inside the allocator's {m['allocator_headroom']:.0%} headroom"
+        search = report["batch_search"]
+        fit = search.get("local_batch_for_global")
+        if cfg.training.memory_fit == "adjust" and nodes == 1 and fit and fit < local:  # adjust: clear of it
+            return {"action": "restart", "args": ["--training.local_batch_size", str(fit),
+                                                  "--training.global_batch_size", str(global_batch)],
+                    "line": f"{head}, {inside}; starting again at local batch {fit} x accumulation "
+                            f"{search['gradient_accumulation_steps']}, the largest clear of it that keeps the global "
+                            f"batch {global_batch} ({search['peak_gib_for_global']:.2f} GiB; "
+                            f"training.memory_fit=adjust, {took})"}
+        return {"action": "warn", "line": f"warning: {head} ({took}), {inside}: the steps may slow while it releases "
+                                          f"its cache, or run out of memory"}
 
-    need = (f"{m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else f"at least {m['floor_gib']:.1f} GiB")
-    why = (f"{cfg.model.name}/{cfg.model.flavor} at local batch {local} needs a predicted {need} per GPU "
-           f"({where}), more than the {m['usable_gib']:.2f} GiB usable of the GPU's {hw.memory_gib:.1f} GiB")
+    if report is not None:
+        m = report["memory"]
+        need = (f"{m['peak_gib']:.2f} GiB" if m["peak_gib"] is not None else f"at least {m['floor_gib']:.1f} GiB")
+        why = (f"{cfg.model.name}/{cfg.model.flavor} at local batch {local} needs a predicted {need} per GPU "
+               f"({where}), more than the {m['usable_gib']:.2f} GiB usable of the GPU's {hw.memory_gib:.1f} GiB")
+    else:
+        why = nothing.why
+    # A batch that keeps the global batch at the configured checkpointing; where none does, the first
+    # stronger checkpointing with one (recomputing more, the same model trained: to rounding)
+    search, ac = report["batch_search"] if report is not None else {}, None
+    if not search.get("local_batch_for_global"):
+        for stronger in AC_CHOICES[AC_CHOICES.index(cfg.activation_checkpoint.mode) + 1:]:
+            c = copy.deepcopy(cfg)
+            c.activation_checkpoint.mode = stronger
+            try:
+                search = estimate(c, progress=lambda _line: None)["batch_search"]
+            except DoesNotFit as e:  # said with the strongest tried: its advice no longer names checkpointing
+                if report is None:
+                    nothing = e
+                continue
+            if search.get("local_batch_for_global"):
+                ac = stronger
+                break
     fit = search.get("local_batch_for_global")
     if not fit:
+        if report is None:
+            return {"action": "stop", "line": f"error: {nothing}"}
         return {"action": "stop", "line": f"error: {why}; no local batch is clear of the allocator's headroom with "
-                                          f"the accumulation that keeps the global batch {global_batch}: try "
-                                          f"--activation_checkpoint.mode full or more GPUs with "
-                                          f"--parallelism.data_parallel fsdp"}
-    accum = search["gradient_accumulation_steps"]
-    args = ["--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)]
+                                          f"the accumulation that keeps the global batch {global_batch}, with any "
+                                          f"activation checkpointing: try more GPUs with --parallelism.data_parallel "
+                                          f"fsdp or a shorter --training.seq_len"}
+    batch = f"local batch {fit} x accumulation {search['gradient_accumulation_steps']}"
+    args = (["--activation_checkpoint.mode", ac] if ac else []) + [
+        "--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)]
     fits = f"fits ({search['peak_gib_for_global']:.2f} GiB) and keeps the global batch {global_batch}"
+    took = f"{time.perf_counter() - t0:.0f} s"
     if cfg.training.memory_fit == "adjust" and nodes == 1:
+        with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
         return {"action": "restart", "args": args,
-                "line": f"memory check: {why}; starting again at local batch {fit} x accumulation {accum}, the "
-                        f"largest that {fits} (training.memory_fit=adjust, {took})"}
-    return {"action": "stop", "line": f"error: {why}; local batch {fit} x accumulation {accum} {fits}: {command} "
-                                      f"{shlex.join([*without(argv, BATCH_KEYS), *args])}"}
+                "line": f"memory check: {why}; starting again {with_ac}at {batch}, the largest that {fits} "
+                        f"(training.memory_fit=adjust, {took})"}
+    keys = BATCH_KEYS + (("activation_checkpoint.mode",) if ac else ())
+    with_ac = f"with activation_checkpoint.mode={ac}, " if ac else ""
+    return {"action": "stop", "line": f"error: {why}; {with_ac}{batch} {fits}: {command} "
+                                      f"{shlex.join([*without(argv, keys), *args])}"}
 
 
 def without(argv: list[str], keys: tuple[str, ...]) -> list[str]:

@@ -11,8 +11,9 @@ What run_train.sh runs once it has chosen the processes (one process when no tor
    ranks at once (they are compiling, or in a step that needs that peak): `check` ends the job in
    one line (exit code 2) naming the predicted peak, the GPU's memory and the command that fits;
    `adjust` starts the job again at the largest local batch that fits and divides the global batch,
-   with the accumulation that keeps it, and says so. A job that ends first ends the check, but for
-   an out-of-memory failure under `adjust`, which waits for the prediction to start again.
+   with the accumulation that keeps it (where none does, with activation checkpointing raised), and
+   says so. A job that ends first ends the check, but for an out-of-memory failure under `adjust`,
+   which waits for the prediction to start again.
 3. The job: `python -m titanlite.train ARGS`, or torchrun run inside this module's `agent`, where a
    failed job ends in one line with its exit code instead of torchrun's report (`job_line`: a rank
    killed by a signal, else the first line a rank said with `titanlite.errors.say_failure`, else a

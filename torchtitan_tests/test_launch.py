@@ -282,10 +282,88 @@ def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(
     assert "--training.memory_fit" not in v["line"]
 
 
+def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headroom_under_adjust():
+    """A local batch whose peak fits only inside the allocator's headroom: check warns and lets it run;
+    adjust starts again at the largest batch clear of the headroom that keeps the global batch."""
+    m = predicted_peak(DEBUG)
+    usable = m["peak_gib"] * (1 + m["allocator_headroom"] / 2)  # the peak inside the headroom, not beyond it
+    tight = DEBUG + ["--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)]
+    v = preflight(tight)
+    assert v["action"] == "warn" and v["line"].startswith("warning: memory check: llama/debug at local batch 16 ")
+    assert v["line"].endswith(", inside the allocator's 2% headroom: the steps may slow while it releases its "
+                              "cache, or run out of memory")
+    v = preflight(tight + ["--training.memory_fit", "adjust"])
+    assert v["action"] == "restart"
+    assert v["args"] == ["--training.local_batch_size", "8", "--training.global_batch_size", "16"]
+    again = predicted_peak(tight + v["args"])
+    assert again["fits"] and not again["tight"]
+    assert re.search(rf"inside the allocator's 2% headroom; starting again at local batch 8 x accumulation 2, the "
+                     rf"largest clear of it that keeps the global batch 16 \({again['peak_gib']:.2f} GiB; "
+                     rf"training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
+
+
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
     v = preflight(DEBUG + ["--estimate.reserved_gib", "79.19"])
-    assert v["action"] == "stop" and "does not fit even at local batch 1" in v["line"]
+    assert v["action"] == "stop" and "does not fit even at local batch 1: its model state alone" in v["line"]
 
+
+# seq 2048, local batch 2 = the global batch: no batch keeps it without checkpointing or with selective,
+# local 2 with full checkpointing does (the search's budget between their peaks)
+LONG = ["--training.dataset", "synthetic", "--training.seq_len", "2048", "--training.local_batch_size", "2"]
+
+
+def long_gpu() -> list[str]:
+    full = predicted_peak(LONG + ["--activation_checkpoint.mode", "full"])
+    selective_one = predicted_peak(LONG + ["--activation_checkpoint.mode", "selective", "--training.local_batch_size",
+                                           "1", "--training.global_batch_size", "2"])
+    assert full["peak_gib"] < selective_one["peak_gib"]
+    clear = (full["peak_gib"] + selective_one["peak_gib"]) / 2
+    return ["--estimate.reserved_gib", repr(full["gpu_memory_gib"] - clear * (1 + full["allocator_headroom"]))]
+
+
+def test_adjust_raises_activation_checkpointing_where_no_batch_keeps_the_global_batch():
+    """adjust starts again with the first stronger checkpointing at which a batch keeping the global batch
+    fits (the same model trained: recomputation), and says why and what; that run's own prediction fits."""
+    reserve = long_gpu()
+    v = preflight(LONG + reserve + ["--training.memory_fit", "adjust"])
+    assert v["action"] == "restart"
+    assert v["args"] == ["--activation_checkpoint.mode", "full", "--training.local_batch_size", "2",
+                         "--training.global_batch_size", "2"]
+    again = predicted_peak(LONG + reserve + v["args"])
+    assert again["fits"] and not again["tight"]
+    assert re.fullmatch(rf"memory check: llama/debug \(none, 1 x h100\) does not fit even at local batch 1: peak "
+                        rf"[\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; starting again with "
+                        rf"activation_checkpoint\.mode=full at local batch 2 x accumulation 1, the largest that fits "
+                        rf"\({again['peak_gib']:.2f} GiB\) and keeps the global batch 2 \(training\.memory_fit=adjust, "
+                        rf"\d+ s\)", v["line"]), v["line"]
+
+
+def test_check_names_the_checkpointing_that_fits_in_its_command():
+    """check stops, naming the command that fits: the configured checkpointing and batch options replaced."""
+    argv = LONG + long_gpu() + ["--activation_checkpoint.mode", "selective", "--training.steps", "3"]
+    v = preflight(argv)
+    assert v["action"] == "stop"
+    head, command = v["line"].split(": ./run_train.sh ")
+    assert head.endswith("; with activation_checkpoint.mode=full, local batch 2 x accumulation 1 fits ("
+                         + head.split("fits (")[1].split(")")[0] + ") and keeps the global batch 2")
+    assert command.split() == [*LONG[:4], *argv[len(LONG):len(LONG) + 2], "--training.steps", "3",
+                               "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2",
+                               "--training.global_batch_size", "2"]
+
+
+
+def test_a_run_no_checkpointing_fits_is_refused_naming_the_strongest_tried():
+    """Not even local batch 1 with full checkpointing: the line says so, with that step's peak, and its
+    advice no longer names checkpointing."""
+    full = predicted_peak(LONG + ["--activation_checkpoint.mode", "full", "--training.local_batch_size", "1",
+                                  "--training.global_batch_size", "2"])
+    usable = full["peak_gib"] * 0.9
+    v = preflight(LONG + ["--estimate.reserved_gib", repr(full["gpu_memory_gib"] - usable)])
+    assert v["action"] == "stop"
+    assert re.match(r"error: llama/debug \(none, 1 x h100\) does not fit even at local batch 1 with "
+                    r"activation_checkpoint\.mode=full: peak [\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; what "
+                    r"could: ", v["line"]), v["line"]
+    assert "activation_checkpoint" not in v["line"].split("what could:")[1]
 
 def test_the_check_lays_hsdp_out_on_the_jobs_nodes(monkeypatch):
     """hsdp on 4 GPUs: on 2 nodes of 2 (NGPU=2 on each) the ranks shard inside their node and replicate

@@ -106,8 +106,9 @@ class Training:
         "check", "run_train.sh on a GPU titanlite/hardware.py lists: predict the peak memory per GPU (estimation) "
                  "while the ranks start; where the local batch cannot fit, check = stop in one line (exit 2) naming "
                  "the predicted peak, the GPU's memory and the command that fits; adjust = start again at the "
-                 "largest local batch that fits and divides the global batch, accumulation raised to keep it "
-                 "(said at start-up; one node); off = no prediction. See docs/estimation.md")
+                 "largest local batch that fits clear of the allocator's headroom and divides the global batch, "
+                 "accumulation raised to keep it, where no batch does with activation checkpointing raised "
+                 "(selective, then full) (said at start-up; one node); off = no prediction. See docs/estimation.md")
     gc_interval: int = doc(
         50, "steps between Python garbage collections (young objects only), made at the same step on every rank; "
             "Python's own collector is off while training. 0 = leave Python's collector on: its pauses land "
