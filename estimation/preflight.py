@@ -65,7 +65,9 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
         inside = f"inside the allocator's {m['allocator_headroom']:.0%} headroom"
         search = report["batch_search"]
         fit = search.get("local_batch_for_global")
-        if cfg.training.memory_fit == "adjust" and nodes == 1 and fit and fit < local:  # adjust: clear of it
+        # adjust: clear of it, at no less than half the micro-batch (a tight batch may run; many more, smaller
+        # micro-steps surely cost: at LLaMA 1.36B local 43 would start again at 1 x accumulation 43)
+        if cfg.training.memory_fit == "adjust" and nodes == 1 and fit and local / 2 <= fit < local:
             return {"action": "restart", "args": ["--training.local_batch_size", str(fit),
                                                   "--training.global_batch_size", str(global_batch)],
                     "line": f"{head}, {inside}; starting again at local batch {fit} x accumulation "

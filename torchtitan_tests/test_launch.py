@@ -284,7 +284,8 @@ def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(
 
 def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headroom_under_adjust():
     """A local batch whose peak fits only inside the allocator's headroom: check warns and lets it run;
-    adjust starts again at the largest batch clear of the headroom that keeps the global batch."""
+    adjust starts again at the largest batch clear of the headroom that keeps the global batch, where
+    that is at least half the configured one, and otherwise warns as check does."""
     m = predicted_peak(DEBUG)
     usable = m["peak_gib"] * (1 + m["allocator_headroom"] / 2)  # the peak inside the headroom, not beyond it
     tight = DEBUG + ["--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)]
@@ -300,6 +301,12 @@ def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headro
     assert re.search(rf"inside the allocator's 2% headroom; starting again at local batch 8 x accumulation 2, the "
                      rf"largest clear of it that keeps the global batch 16 \({again['peak_gib']:.2f} GiB; "
                      rf"training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
+    # a global batch of 17 (prime): the only clear batch keeping it is 1 x 17, not worth leaving a tight 17 for
+    m = predicted_peak(DEBUG + ["--training.local_batch_size", "17"])
+    usable = m["peak_gib"] * (1 + m["allocator_headroom"] / 2)
+    v = preflight(DEBUG + ["--training.local_batch_size", "17", "--training.memory_fit", "adjust",
+                           "--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)])
+    assert v["action"] == "warn" and "local batch 17 " in v["line"], v
 
 
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
