@@ -321,6 +321,15 @@ def sweep_rows() -> list[dict]:
     return rows
 
 
+def sweep_chosen(only: list[str]) -> list[dict]:
+    """The sweep's rows whose labels hold one of `only` (all rows where it is empty), with the bf16 run of
+    each chosen float8 row's mode and accumulation, which its losses are compared with."""
+    rows = sweep_rows()
+    chosen = [r for r in rows if not only or any(o in "sweep_" + label(r) for o in only)]
+    bases = {(r["mode"], r["accum"]) for r in chosen}
+    return [r for r in rows if r in chosen or (r["precision"] == "bf16" and (r["mode"], r["accum"]) in bases)]
+
+
 def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str, timeout: float = ROW_TIMEOUT) -> dict:
     ranks, opts = options(row, ngpus)
     opts += [*SWEEP_MODEL, "--training.local_batch_size", "4", "--training.global_batch_size",
@@ -341,7 +350,7 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str, timeout: float = ROW
 def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str], timeout: float = ROW_TIMEOUT) -> int:
     """The float8 rows against their bf16 runs; each GPU runs up to `slots` rows at once (small model)."""
     gpus, t0 = Gpus(list(range(ngpus)) * slots), time.time()
-    rows = [r for r in sweep_rows() if not only or any(o in "sweep_" + label(r) for o in only)]
+    rows = sweep_chosen(only)
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
         results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, gpus, data, timeout)), rows))
     ref = {(r["mode"], r["accum"]): r["tail"] for r in results if r["precision"] == "bf16"}
@@ -374,7 +383,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="--predict: processes")
     p.add_argument("--predictions", type=Path, help="the --predict output the run compares against")
     p.add_argument("--data", default="", help="prepared shards (titanlite.data.prepare) to train on")
-    p.add_argument("--only", default="", help="comma-separated substrings of row labels")
+    p.add_argument("--only", default="", help="comma-separated substrings of row labels (--float8-sweep: each "
+                                              "float8 row's bf16 run comes with it)")
     p.add_argument("--host-gpus", type=int, help="GPUs this host lends the rows (default --ngpus); a wider row "
                    "is listed as not run")
     p.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT, help="seconds a row (of the matrix or the sweep) may run")

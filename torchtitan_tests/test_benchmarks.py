@@ -801,6 +801,22 @@ def test_float8_sweep_pairs_every_float8_run_with_its_bf16_run():
     assert all(gpu_matrix.refusal(r, 4) is None for r in rows)
 
 
+def test_a_chosen_float8_sweep_row_brings_its_bf16_run():
+    """--only picks float8 rows; each comes with the bf16 run of its mode and accumulation (without it the
+    row would have nothing to be compared with), once, in the sweep's order."""
+    import gpu_matrix
+
+    got = gpu_matrix.sweep_chosen(["fsdp_float8_ac-none_eager_accum1", "hsdp_float8_ac-full_compile_accum1",
+                                   "hsdp_float8_ac-none_compile_accum1"])
+    assert [gpu_matrix.label(r) for r in got] == [
+        "fsdp_bf16_ac-none_compile_accum1_nographs_m-float32_fused_llama",
+        "fsdp_float8_ac-none_eager_accum1_nographs_m-float32_fused_llama",
+        "hsdp_bf16_ac-none_compile_accum1_nographs_m-float32_fused_llama",
+        "hsdp_float8_ac-none_compile_accum1_nographs_m-float32_fused_llama",
+        "hsdp_float8_ac-full_compile_accum1_nographs_m-float32_fused_llama"]
+    assert gpu_matrix.sweep_chosen([]) == gpu_matrix.sweep_rows()
+
+
 # ---------------------------------------------------------------------------------- float8_fsdp.py
 EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0", "--extra=--model.attention_backend sdpa",
            "--extra-at", "bf16", "--steps", "12", "--skip", "6"]
