@@ -58,8 +58,9 @@ ATTENTION = ("cudnn", "flash", "fmha", "flex_attention")
 BACKWARD = ("bprop", "bwd", "backward", "cutlassb")  # cuDNN's bprop, flash-attn's bwd, mem-efficient's fmha_cutlassB
 FLOAT8_GEMM = ("e4m3", "e5m2", "fp8", "f8f8")  # cuBLAS's sm90_xmma _scaled_mm kernels carry their operand types
 # cuBLAS's nvjet kernels carry them as letters after the architecture: nvjet_sm90_qqtst_... (q e4m3, r e5m2; t bf16,
-# s fp32, h fp16), as torch 2.11's cuBLAS names its float8 GEMMs on H200
-NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([a-z]+)_")
+# s fp32, h fp16), as torch 2.11's cuBLAS names its float8 GEMMs on H200; only a group of such letters is read as
+# types (a word there, "reduce" say, is not)
+NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([bcdehiqrstz]{2,6})_")
 GEMM = ("nvjet", "gemm", "cutlass", "xmma", "cublas", "triton_tem_")
 CATEGORIES = ("gemm bf16", "gemm float8", "attention fwd", "attention bwd", "triton", "triton f8 cast",
               "elementwise (aten)", "optimizer (MasterAdamW)", "foreach", "fsdp copy", "nccl", "memcpy", "memset",

@@ -285,8 +285,9 @@ def estimate(cfg, progress=_progress) -> dict:
         budget_of = lambda n: _Fits(usable_bytes(est, hw, n), headroom(est.fragmentation, "fsdp")).budget
         ac = cfg.activation_checkpoint.mode  # named where a fake step's peak says it: the floors hold for any
         with_ac = f" with activation_checkpoint.mode={ac}" if ac != "none" and r1 else ""
-        why = (f"{cfg.model.name}/{cfg.model.flavor} ({mode}, {world} x {est.hardware}) does not fit even at local "
-               f"batch 1{with_ac}: {need} > {usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB")
+        where = f"{world} x {est.hardware}" + (f", {mode}" if world > 1 else "")  # "none" would read as an AC mode
+        why = (f"{cfg.model.name}/{cfg.model.flavor} ({where}) does not fit even at local batch 1{with_ac}: {need} > "
+               f"{usable / GIB:.2f} GiB usable of {hw.memory_gib} GiB")
         raise DoesNotFit(f"{why}; what could: {what_could_fit(cfg, args, world, budget_of)}", why=why)
 
     res = results.get(local)

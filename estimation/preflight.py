@@ -9,7 +9,9 @@ default mesh shards inside a node), and prints one JSON line, what the launcher 
 "none" | "warn" | "stop" | "restart", "line": the line to print, "args": the options to restart
 with}. `stop` names the predicted peak, the GPU's memory and the command (C followed by ARGS, the
 batch options, and the checkpointing where it was raised, replaced) that fits; `restart`
-(training.memory_fit=adjust, one node) the local batch (and checkpointing) it starts again at. The
+(training.memory_fit=adjust, one node) the local batch (and checkpointing) it starts again at, also
+for a tight batch (one that fits only inside the allocator's headroom) where the largest clear one
+keeping the global batch is at least half of it; `warn` a tight batch left as it is. The
 global batch is kept: the configured one, or local x ranks where it is -1, with the accumulation
 raised. Only the estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a
 prediction that fails (any other error, a ConfigError included) says so in its line and stops nothing.
@@ -94,15 +96,15 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
             try:
                 search = estimate(c, progress=lambda _line: None)["batch_search"]
             except DoesNotFit as e:  # said with the strongest tried: its advice no longer names checkpointing
-                if report is None:
-                    nothing = e
+                nothing = e
                 continue
+            nothing = None  # a batch fits there, if only inside the headroom: not a DoesNotFit's refusal
             if search.get("local_batch_for_global"):
                 ac = stronger
                 break
     fit = search.get("local_batch_for_global")
     if not fit:
-        if report is None:
+        if report is None and nothing is not None:  # not even local batch 1 fits with the strongest tried
             return {"action": "stop", "line": f"error: {nothing}"}
         return {"action": "stop", "line": f"error: {why}; no local batch is clear of the allocator's headroom with "
                                           f"the accumulation that keeps the global batch {global_batch}, with any "

@@ -536,7 +536,7 @@ def test_memory_fit_reads_what_the_start_up_did():
     lines = [(3.0, "[rank0]:run log: x.json"), (17.5, restart), (60.2, "[rank0]:step      1/12 | loss 10.9")]
     assert memory_fit.did(lines, 0, False) == ("local batch 12 x accumulation 2 (started again)", 17.5, restart)
     assert memory_fit.RESTART.search(restart).groups() == (None, "12", "2", "24")
-    raised = ("memory check: llama/8B (fsdp, 4 x h100) does not fit even at local batch 1: peak 93.1 GiB > 78.09 GiB "
+    raised = ("memory check: llama/8B (4 x h100, fsdp) does not fit even at local batch 1: peak 93.1 GiB > 78.09 GiB "
               "usable of 79.19 GiB; starting again with activation_checkpoint.mode=full at local batch 1 x accumulation "
               "2, the largest that fits (61.09 GiB) and keeps the global batch 8 (training.memory_fit=adjust, 40 s)")
     assert memory_fit.did([(40.0, raised)], 0, False)[0] == "AC full, local batch 1 x accumulation 2 (started again)"
@@ -546,7 +546,7 @@ def test_memory_fit_reads_what_the_start_up_did():
     assert memory_fit.did([(35.0, tight)], 0, False)[0] == "local batch 2 x accumulation 3 (started again)"
     refusal = "error: llama/1.36B at local batch 24 needs a predicted 84.02 GiB per GPU (...): ./run_train.sh ..."
     assert memory_fit.did([(18.0, refusal)], 2, False) == ("refused", 18.0, refusal)
-    nothing = "error: llama/8B (none, 1 x h200) does not fit even at local batch 1 with activation_checkpoint.mode=full: ..."
+    nothing = "error: llama/8B (1 x h200) does not fit even at local batch 1 with activation_checkpoint.mode=full: ..."
     assert memory_fit.did([(63.0, nothing)], 2, False) == ("refused", 63.0, nothing)
     fits = "memory check: llama/1.36B at local batch 24 on 1 x NVIDIA H200: predicted peak 84.02 GiB per GPU of 139.8 GiB (12 s)"
     assert memory_fit.did([(12.0, fits)], 0, False)[:2] == ("ran as written", 12.0)

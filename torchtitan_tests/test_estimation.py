@@ -337,7 +337,7 @@ def test_advice_never_names_the_configuration_it_refused():
     with pytest.raises(ConfigError) as e:
         estimate(cfg, progress=lambda m: None)
     head, advice = str(e.value).split("what could: ")
-    assert head.startswith("llama/8B (fsdp, 8 x h100) does not fit")
+    assert head.startswith("llama/8B (8 x h100, fsdp) does not fit")
     assert "llama/8B" not in advice and "\n" not in advice
     named = advice.split("a smaller model (llama/")[1].split(" ")[0]
     assert named in MODEL_REGISTRY["llama"].flavors and "with model.vocab_size 10000000" in advice

@@ -307,6 +307,12 @@ def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headro
     v = preflight(DEBUG + ["--training.local_batch_size", "17", "--training.memory_fit", "adjust",
                            "--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)])
     assert v["action"] == "warn" and "local batch 17 " in v["line"], v
+    from estimation.estimate import estimate  # the clear batch it did not take: 1 x accumulation 17
+
+    cfg = load_config(DEBUG + ["--training.local_batch_size", "17", "--training.global_batch_size", "17",
+                               "--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable),
+                               "--estimate.max_local_batch", "17"])
+    assert estimate(cfg, progress=lambda _: None)["batch_search"]["local_batch_for_global"] == 1
 
 
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
@@ -338,7 +344,7 @@ def test_adjust_raises_activation_checkpointing_where_no_batch_keeps_the_global_
                          "--training.global_batch_size", "2"]
     again = predicted_peak(LONG + reserve + v["args"])
     assert again["fits"] and not again["tight"]
-    assert re.fullmatch(rf"memory check: llama/debug \(none, 1 x h100\) does not fit even at local batch 1: peak "
+    assert re.fullmatch(rf"memory check: llama/debug \(1 x h100\) does not fit even at local batch 1: peak "
                         rf"[\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; starting again with "
                         rf"activation_checkpoint\.mode=full at local batch 2 x accumulation 1, the largest that fits "
                         rf"\({again['peak_gib']:.2f} GiB\) and keeps the global batch 2 \(training\.memory_fit=adjust, "
@@ -346,8 +352,9 @@ def test_adjust_raises_activation_checkpointing_where_no_batch_keeps_the_global_
 
 
 def test_check_names_the_checkpointing_that_fits_in_its_command():
-    """check stops, naming the command that fits: the configured checkpointing and batch options replaced."""
-    argv = LONG + long_gpu() + ["--activation_checkpoint.mode", "selective", "--training.steps", "3"]
+    """check stops, naming the command that fits: the configured checkpointing (written here as
+    --key=value) and batch options replaced."""
+    argv = LONG + long_gpu() + ["--activation_checkpoint.mode=selective", "--training.steps", "3"]
     v = preflight(argv)
     assert v["action"] == "stop"
     head, command = v["line"].split(": ./run_train.sh ")
@@ -367,10 +374,25 @@ def test_a_run_no_checkpointing_fits_is_refused_naming_the_strongest_tried():
     usable = full["peak_gib"] * 0.9
     v = preflight(LONG + ["--estimate.reserved_gib", repr(full["gpu_memory_gib"] - usable)])
     assert v["action"] == "stop"
-    assert re.match(r"error: llama/debug \(none, 1 x h100\) does not fit even at local batch 1 with "
+    assert re.match(r"error: llama/debug \(1 x h100\) does not fit even at local batch 1 with "
                     r"activation_checkpoint\.mode=full: peak [\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; what "
                     r"could: ", v["line"]), v["line"]
     assert "activation_checkpoint" not in v["line"].split("what could:")[1]
+
+def test_a_run_whose_strongest_checkpointing_fits_only_tight_is_refused_without_naming_it():
+    """Local batch 1 fits with full checkpointing only inside the headroom, and not at all without it: the
+    refusal says no batch is clear with any checkpointing (not the advice to use full, just tried)."""
+    one = ["--training.local_batch_size", "1", "--training.global_batch_size", "2"]
+    full = predicted_peak(LONG + ["--activation_checkpoint.mode", "full"] + one)
+    usable = full["peak_gib"] * (1 + full["allocator_headroom"] / 2)
+    v = preflight(LONG + ["--estimate.reserved_gib", repr(full["gpu_memory_gib"] - usable),
+                          "--training.memory_fit", "adjust"])
+    assert v["action"] == "stop"
+    assert "does not fit even at local batch 1: " in v["line"] and "what could" not in v["line"], v["line"]
+    assert v["line"].endswith("; no local batch is clear of the allocator's headroom with the accumulation that keeps "
+                              "the global batch 2, with any activation checkpointing: try more GPUs with "
+                              "--parallelism.data_parallel fsdp or a shorter --training.seq_len"), v["line"]
+
 
 def test_the_check_lays_hsdp_out_on_the_jobs_nodes(monkeypatch):
     """hsdp on 4 GPUs: on 2 nodes of 2 (NGPU=2 on each) the ranks shard inside their node and replicate

@@ -65,6 +65,7 @@ KERNELS = {
     "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm float8",  # gradients, e4m3 x e5m2
     "nvjet_sm90_tss_192x192_64x3_1x2_h_bz_coopB_NTN": "gemm bf16",  # bf16 operands, fp32 output
     "nvjet_hsh_64x8_64x16_2x1_v_bz_TNT": "gemm bf16",  # an older cuBLAS's name, without the architecture
+    "nvjet_sm90_reduce_splitk_kernel": "gemm bf16",  # a word after the architecture is no type letters
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0": "attention fwd",
     "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0": "attention bwd",
     "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>":

@@ -107,9 +107,10 @@ class Training:
                  "while the ranks start; where the local batch cannot fit, check = stop in one line (exit 2) naming "
                  "the predicted peak, the GPU's memory and the command that fits; adjust = start again at the "
                  "largest local batch that fits clear of the allocator's headroom and divides the global batch, "
-                 "accumulation raised to keep it (a tight batch only where that keeps at least half of it; where "
-                 "no batch fits, with activation checkpointing raised: selective, then full), said at start-up, "
-                 "one node; off = no prediction. See docs/estimation.md")
+                 "accumulation raised to keep it (where no batch fits, with activation checkpointing raised: "
+                 "selective, then full; a tight batch, one inside the headroom, starts again clear of it where "
+                 "that batch is at least half the configured one), said at start-up, one node; off = no "
+                 "prediction. See docs/estimation.md")
     gc_interval: int = doc(
         50, "steps between Python garbage collections (young objects only), made at the same step on every rank; "
             "Python's own collector is off while training. 0 = leave Python's collector on: its pauses land "
