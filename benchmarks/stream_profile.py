@@ -13,8 +13,8 @@ After 8 warm-up steps it times 4 steps without the profiler, then profiles 4 mor
 only) and prints, for the first and the last rank:
 - the compute stream (the one with the most GEMM time): a table of its step in ms by kernel category
   (CATEGORIES, by kernel name: GEMMs in bf16 and in float8 (cuBLAS's _scaled_mm kernels, named with
-  e4m3/e5m2 or, nvjet's, with q/r among their type letters), attention forward and backward (cuDNN, flash, mem-efficient, FlexAttention), Inductor's
-  Triton kernels ("triton f8 cast": one with a float8 cast or amax fused in), ATen's element-wise
+  e4m3/e5m2 or, nvjet's, with q/r among their type letters), attention forward and backward (cuDNN,
+  flash, mem-efficient, FlexAttention), Inductor's Triton kernels ("triton f8 cast": one with a float8 cast or amax fused in), ATen's element-wise
   kernels, MasterAdamW's Triton update, foreach kernels, FSDP's copies, NCCL), each with its longest
   kernel, and its idle time, with the part of it spent while communication ran on another stream
   (exposed communication). Communication = NCCL kernels, plus copies on other streams (copy-engine
