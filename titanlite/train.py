@@ -198,7 +198,7 @@ class Trainer:
             raise ConfigError(f"model.vocab_size ({self.model_args.vocab_size}) is smaller than the dataset's "
                               f"vocabulary ({self.data.vocab_size}); set model.vocab_size to {self.data.vocab_size} "
                               f"or more")
-        self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device)
+        self.attention_backend = resolve_backend(cfg.model.attention_backend, self.device, cfg.training.seq_len)
 
         # Build on meta (no memory), then parallelize: the techniques in their one order
         # (titanlite.parallel.apply.parallelize), the weights materialised and initialised on the way.

@@ -189,9 +189,10 @@ def test_fa4_first_in_the_chain_and_in_auto_only_where_its_row_lists_it(monkeypa
     fake_flash_module(monkeypatch, "flash_attn_interface", returns_tuple=True)
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     assert A.resolve_backend("flash_attn_4", fake_hopper) == "flash_attn_4"
-    # auto follows the measured order of its GPU's row, which does not list flash_attn_4 until measured
+    # auto follows the measured order of its GPU's row, which lists flash_attn_4 only for long sequences
     assert "flash_attn_4" not in A.AUTO_ORDER[9].backends
     assert A.resolve_backend("auto", fake_hopper) == "flash_attn_3"
+    assert A.resolve_backend("auto", fake_hopper, seq_len=8192) == "flash_attn_3"
     monkeypatch.setitem(A.AUTO_ORDER, 9, A.AutoOrder(("flash_attn_4", *A.AUTO_ORDER[9].backends), "test"))
     assert A.resolve_backend("auto", fake_hopper) == "flash_attn_4"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # another GPU's row
@@ -308,3 +309,41 @@ def test_grouped_kv_reach_the_kernels_that_take_them_unexpanded(monkeypatch, nam
     out = backend(q, k, v)
     assert seen == [(2, True)] if native else [(8, False)]
     torch.testing.assert_close(out, A.Manual()(q, k, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode, forwards_per_block", [("selective", 1), ("full", 2)])
+def test_selective_checkpointing_keeps_fa4s_output(monkeypatch, mode, forwards_per_block):
+    """Selective 'op' checkpointing keeps flash-attn 4's forward output (titanlite's op is one the policy
+    saves), so each block's backward runs the attention forward kernel no second time; full
+    checkpointing recomputes it. (A policy that misses the op recomputes attention: slower, same values.)"""
+    from titanlite.models import build_model, get_model_args
+    from titanlite.parallel.apply import apply_ac
+    from titanlite.parallel.settings import ActivationCheckpointSettings
+
+    calls = []
+    fake_fa4_module(monkeypatch, calls)
+    args = get_model_args("llama", "debug")
+    torch.manual_seed(0)
+    model = build_model(args, "flash_attn_4", max_seq_len=32)
+    model.init_weights()
+    apply_ac(model, ActivationCheckpointSettings(mode, "op"))
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    model(tokens, tokens).backward()
+    assert [c[0] for c in calls].count("bwd") == args.n_layers
+    assert [c[0] for c in calls].count("fwd") == args.n_layers * forwards_per_block
+
+
+@pytest.mark.parametrize("seq_len, picked", [(2048, "sdpa_cudnn"), (8191, "sdpa_cudnn"), (8192, "flash_attn_4"),
+                                             (32768, "flash_attn_4")])
+def test_auto_takes_fa4_on_hopper_from_seq_8192(monkeypatch, fake_hopper, seq_len, picked):
+    """On Hopper with flash-attn 4 installed (and flash-attn 3 not), `auto` runs it from 8192 tokens a
+    sequence, where it measured faster in the whole step, and cuDNN SDPA below; without it, cuDNN."""
+    fake_fa4_module(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    assert A.resolve_backend("auto", fake_hopper, seq_len=seq_len) == picked
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    assert A.resolve_backend("auto", fake_hopper, seq_len=seq_len) == "sdpa_cudnn"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # a row not measured
+    fake_fa4_module(monkeypatch)
+    assert A.resolve_backend("auto", fake_hopper, seq_len=seq_len) == "sdpa_cudnn"

@@ -3,7 +3,7 @@
 q: (B, S, Hq, D); k, v: (B, S, Hkv, D) with Hq a multiple of Hkv (GQA); out: (B, S, Hq, D).
 Each backend is a small class in BACKENDS; `resolve_backend` turns a requested name into one that
 can run here, walking the fallback chain FA4 -> FA3 -> FA2 -> SDPA -> manual with a single warning.
-`auto` takes the first available backend of its GPU's row in AUTO_ORDER.
+`auto` takes the first available backend of its GPU's row in AUTO_ORDER (for the run's sequence length).
 """
 
 from __future__ import annotations
@@ -220,31 +220,38 @@ FALLBACK = {
 class AutoOrder(NamedTuple):
     backends: tuple[str, ...]  # fastest first: `auto` runs the first one available
     source: str  # the measurement (or the reason) behind the order
+    long: tuple[str, ...] = ()  # the order from `long_from` tokens a sequence on, where it differs
+    long_from: int = 0
 
 
 # What `auto` tries on a CUDA GPU of each compute capability (major); key 0: any other device.
 # A backend moves up a row only after benchmarks/attention.py (kernel) and benchmarks/compare_peer.py
-# (whole step) measured it faster on that GPU; the figures are in docs/performance.md.
+# or launch.py (whole step) measured it faster on that GPU; the figures are in docs/performance.md.
 _SDPA_ORDER = ("flash_attn_3", "sdpa_cudnn", "flash_attn", "sdpa_flash", "sdpa", "manual")
 AUTO_ORDER: dict[int, AutoOrder] = {
     9: AutoOrder(_SDPA_ORDER, "sdpa_cudnn over sdpa_flash: benchmarks/attention.py on 1 x H100; flash_attn_3 "
-                              "first as its authors publish (not measured here); flash_attn_4 stays out: on 1 x "
-                              "H100 its kernel matched cuDNN at LLaMA 1.36B batch 4 and trailed on Qwen3's GQA "
-                              "shapes, and the whole step gained within the noise (docs/performance.md)"),
+                              "first as its authors publish (not measured here); flash_attn_4 from seq 8192: on 1 "
+                              "x H200 its kernel ran 1.11-1.13x cuDNN's at the 8B shapes and the whole step gained "
+                              "2.0-2.2% at seq 8192 (LLaMA-3.1-8B, Qwen3-8B; 3.2% at LLaMA 1.36B) and 4.7-5.4% at "
+                              "32768; below it cuDNN: at seq 2048 a call of flash_attn_4 costs about 1.1 ms at any "
+                              "batch and Qwen3's grouped K/V ran slower (docs/performance.md)",
+                 long=("flash_attn_3", "flash_attn_4", *_SDPA_ORDER[1:]), long_from=8192),
     0: AutoOrder(_SDPA_ORDER, "unmeasured GPUs: availability filters the same order (cuDNN SDPA needs sm90+)"),
 }
 
 
-def auto_order(device: torch.device) -> tuple[str, ...]:
-    """The backends `auto` tries on `device`, fastest first."""
+def auto_order(device: torch.device, seq_len: int = 0) -> tuple[str, ...]:
+    """The backends `auto` tries on `device` for sequences of `seq_len` tokens, fastest first."""
     major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" and torch.cuda.is_available() else 0
-    return AUTO_ORDER.get(major, AUTO_ORDER[0]).backends
+    row = AUTO_ORDER.get(major, AUTO_ORDER[0])
+    return row.long if row.long and seq_len >= row.long_from else row.backends
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """Name of the backend that will run for `requested` on `device` (warns once on fallback)."""
+def resolve_backend(requested: str, device: torch.device, seq_len: int = 0) -> str:
+    """Name of the backend that will run for `requested` on `device`, for sequences of `seq_len` tokens
+    (auto's order can depend on it); warns once on fallback."""
     if requested == "auto":
-        return next(n for n in auto_order(device) if BACKENDS[n].available(device))
+        return next(n for n in auto_order(device, seq_len) if BACKENDS[n].available(device))
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend '{requested}'; choose from auto, {', '.join(BACKENDS)}")
     name = requested

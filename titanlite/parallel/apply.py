@@ -123,11 +123,12 @@ def save_matmuls_policy():
     # forward as the torch custom op flash_attn::_flash_attn_forward, and flash-attn 3's
     # flash_attn_interface as flash_attn_3::_flash_attn_forward, which makes them visible here too.
     # The policy is built after the attention backend is chosen, i.e. after the package is imported.
+    # flash-attn 4 runs through titanlite's own op (titanlite.ops.attention), registered on import.
     for ns, name in (("aten", "_scaled_mm"), ("aten", "_scaled_dot_product_flash_attention"),
                      ("aten", "_scaled_dot_product_efficient_attention"),
                      ("aten", "_scaled_dot_product_cudnn_attention"),
                      ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("flash_attn", "_flash_attn_forward"),
-                     ("flash_attn_3", "_flash_attn_forward")):
+                     ("flash_attn_3", "_flash_attn_forward"), ("titanlite", "flash_attn_4_forward")):
         try:
             save.add(getattr(getattr(torch.ops, ns), name).default)
         except (AttributeError, RuntimeError):  # not in this torch build, or the package is not installed
