@@ -10,7 +10,7 @@ they are, the other pinned SDPA kernels get them expanded to the query heads. TF
 matmuls over half the S x S square, 2 * B * Hq * S^2 * D, and the backward 2.5 times that (the
 convention of flash-attention's benchmarks). `first s` is the first call (flash-attn 4 compiles its
 kernels then; cuDNN builds its plan). `auto` (AUTO_ORDER in titanlite/ops/attention.py) is what this
-GPU's row picks. The note names the longest forward and backward kernel of one more call
+GPU's row picks at each shape's sequence length. The note names the longest forward and backward kernel of one more call
 (stream_profile's categories): which kernel unpinned SDPA chose. Writes attention.md and attention.json
 to --out.
 """
@@ -121,15 +121,16 @@ def kernels(step) -> dict[str, str]:
     return {c: name for c, (t, name) in best.items() if c.startswith("attention")}
 
 
-def table(rows: list[dict], auto: str) -> str:
-    """Markdown: one row per (shape, backend), with each shape's TFLOP/s relative to sdpa_cudnn."""
+def table(rows: list[dict], auto: dict[str, str]) -> str:
+    """Markdown: one row per (shape, backend), with each shape's TFLOP/s relative to sdpa_cudnn; `auto`:
+    what attention_backend=auto runs at each shape (its order can depend on the sequence length)."""
     lines = ["| shape (B, Hq/Hkv, S, D) | backend | ms fwd+bwd | TFLOP/s | vs sdpa_cudnn | first s | note |",
              "|---|---|---|---|---|---|---|"]
     base = {r["shape"]: r["tflops"] for r in rows if r["backend"] == "sdpa_cudnn" and "tflops" in r}
     for r in rows:
         b, hq, hkv, s, d = r["dims"]
         where = f"{r['shape']} ({b}, {hq}/{hkv}, {s}, {d})"
-        name = r["backend"] + (" (auto)" if r["backend"] == auto else "")
+        name = r["backend"] + (" (auto)" if r["backend"] == auto.get(r["shape"]) else "")
         if "error" in r:
             lines.append(f"| {where} | {name} | - | - | - | - | {r['error']} |")
             continue
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     names = a.backends or [n for n in BACKENDS if n != "manual"]
     missing = [n for n in names if not BACKENDS[n].available(dev)]
     names = [n for n in names if n not in missing]
-    auto = resolve_backend("auto", dev)
+    auto = {label: resolve_backend("auto", dev, seq_len=shape(label)[3]) for label in a.shapes}
     rows = []
     for label in a.shapes:
         dims = shape(label)

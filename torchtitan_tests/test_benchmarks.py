@@ -327,8 +327,9 @@ def test_attention_table_relative_to_cudnn_and_failed_rows():
             {"shape": "llama 1.36B b4", "dims": dims, "backend": "flash_attn_4", "ms": 9.0, "tflops": 330.0,
              "first_s": 20.0},
             {"shape": "llama 1.36B b4", "dims": dims, "backend": "sdpa_flash", "error": "RuntimeError: no kernel"}]
-    by_backend = {r["backend"]: r for r in md_tables(bench_attention.table(rows, auto="sdpa_cudnn"))[0]}
-    assert set(by_backend) == {"sdpa_cudnn (auto)", "flash_attn_4", "sdpa_flash"}  # auto is named
+    by_backend = {r["backend"]: r for r in md_tables(bench_attention.table(rows, {"llama 1.36B b4": "sdpa_cudnn",
+                                                                                  "llama 8B b2": "flash_attn_4"}))[0]}
+    assert set(by_backend) == {"sdpa_cudnn (auto)", "flash_attn_4", "sdpa_flash"}  # auto is named at its shape
     assert float(by_backend["sdpa_cudnn (auto)"]["vs sdpa_cudnn"]) == 1.0
     flash = by_backend["flash_attn_4"]
     assert float(flash["vs sdpa_cudnn"]) == pytest.approx(330 / 300, abs=1e-3)

@@ -281,6 +281,24 @@ def _attention_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     return q.clone()
 
 
+def test_trainer_resolves_attention_for_its_sequence_length(tmp_path, monkeypatch):
+    """auto's order can depend on the sequence length (titanlite.ops.attention.AUTO_ORDER): the trainer
+    asks for its run's, and builds the model with the backend that comes back."""
+    import titanlite.train as train_module
+
+    asked = []
+
+    def resolve(requested, device, seq_len=0):
+        asked.append((requested, seq_len))
+        return "manual"
+
+    monkeypatch.setattr(train_module, "resolve_backend", resolve)
+    trainer = Trainer(load_config(base_args(tmp_path, 2, "--training.seq_len", "48")))
+    assert asked == [("auto", 48)]
+    assert trainer.attention_backend == "manual"
+    assert {type(b.attention.attn).__name__ for b in trainer.model.layers.values()} == {"Manual"}
+
+
 def test_bad_selective_option_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="activation_checkpoint.selective_option"):
         Trainer(load_config(base_args(tmp_path, 4, "--activation_checkpoint.mode", "selective",

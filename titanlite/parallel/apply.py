@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.errors import ConfigError
 from titanlite.hardware import float8_refusal
+import titanlite.ops.attention  # noqa: F401  (registers titanlite::flash_attn_4_forward, which selective AC saves)
 from titanlite.ops.master_linear import MasterWeights
 from titanlite.parallel.ddp import apply_ddp
 from titanlite.parallel.dims import ParallelDims
