@@ -232,10 +232,10 @@ AUTO_ORDER: dict[int, AutoOrder] = {
     9: AutoOrder(_SDPA_ORDER, "sdpa_cudnn over sdpa_flash: benchmarks/attention.py on 1 x H100; flash_attn_3 "
                               "first as its authors publish (not measured here); flash_attn_4 from seq 8192: on 1 "
                               "x H200 its kernel ran 1.11-1.13x cuDNN's at the 8B shapes and the whole step gained "
-                              "2.0-2.2% at seq 8192 (LLaMA-3.1-8B, Qwen3-8B; 3.2% at LLaMA 1.36B) and 4.7-5.4% at "
-                              "32768, 1.9% under fsdp on 2 x H200 at 8192; below it cuDNN: at seq 2048 a call of "
-                              "flash_attn_4 took about 1.1 ms at batch 4 and 8 alike and Qwen3's grouped K/V ran "
-                              "slower (docs/performance.md)",
+                              "2.0-2.2% at seq 8192 (LLaMA-3.1-8B, Qwen3-8B; 3.2-3.8% at LLaMA 1.36B, 3.3% at Qwen3 "
+                              "1.8B) and 4.7-5.4% at 32768, 1.9% under fsdp on 2 x H200 at 8192; below it cuDNN: at "
+                              "seq 2048 a call of flash_attn_4 took about 1.1 ms at batch 4 and 8 alike and Qwen3's "
+                              "grouped K/V ran slower (docs/performance.md)",
                  long=("flash_attn_3", "flash_attn_4", *_SDPA_ORDER[1:]), long_from=8192),
     0: AutoOrder(_SDPA_ORDER, "unmeasured GPUs: availability filters the same order (cuDNN SDPA needs sm90+)"),
 }
