@@ -2,10 +2,10 @@
 
     python benchmarks/float8_fsdp.py --ngpus 4 --batches 4,16 --unfused       # LLaMA 1.36B, seq 2048
     python benchmarks/float8_fsdp.py --ngpus 4 --model 8B --batches 2 --peers 0.2.2,0.3.0 \\
-        --extra="--model.attention_backend sdpa" --extra-at bf16 --steps 12 --skip 6 \\
+        --extra="--model.attention_backend sdpa_cudnn" --extra-at bf16 --steps 12 --skip 6 \\
         --predictions benchmarks/results/float8_fsdp_predictions_8b_4xh200.json     # LLaMA-3.1-8B, seq 8192
     python benchmarks/float8_fsdp.py --predict --ngpus 4 --model 8B --batches 2 \\
-        --extra="--model.attention_backend sdpa" --extra-at bf16 \\
+        --extra="--model.attention_backend sdpa_cudnn" --extra-at bf16 \\
         --out benchmarks/results/float8_fsdp_predictions_8b_4xh200.json             # CPU, before the call
 
 Every run is fsdp over all `--ngpus` GPUs with compile, one after another through benchmarks/launch.py.

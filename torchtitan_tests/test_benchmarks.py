@@ -819,7 +819,7 @@ def test_a_chosen_float8_sweep_row_brings_its_bf16_run():
 
 
 # ---------------------------------------------------------------------------------- float8_fsdp.py
-EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0", "--extra=--model.attention_backend sdpa",
+EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0", "--extra=--model.attention_backend sdpa_cudnn",
            "--extra-at", "bf16", "--steps", "12", "--skip", "6"]
 
 
@@ -845,10 +845,10 @@ def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
     assert [(r.label, r.batch) for r in rows] == [
         ("titanlite bf16", 2), ("titanlite float8", 2), ("torchtitan 0.2.2 bf16", 2), ("torchtitan 0.2.2 float8", 2),
         ("torchtitan 0.3.0 bf16", 2), ("torchtitan 0.3.0 float8", 2),
-        ("titanlite bf16 +model.attention_backend sdpa", 2)]
+        ("titanlite bf16 +model.attention_backend sdpa_cudnn", 2)]
     by = {r.label: r for r in rows}
     assert by["titanlite float8"].args == ["--training.local_batch_size", "2", "--float8.enable"]
-    assert by["titanlite bf16 +model.attention_backend sdpa"].args[-2:] == ["--model.attention_backend", "sdpa"]
+    assert by["titanlite bf16 +model.attention_backend sdpa_cudnn"].args[-2:] == ["--model.attention_backend", "sdpa_cudnn"]
     assert f.options(a, by["titanlite bf16"])[-6:] == ["--model.name", "llama", "--model.flavor", "8B",
                                                        "--training.local_batch_size", "2"]
     peer = by["torchtitan 0.2.2 float8"].args
@@ -882,7 +882,7 @@ def test_float8_fsdp_table_ratios_in_the_same_precision_and_predictions_beside_e
     measured = {"titanlite bf16": (10_000.0, 100.0), "titanlite float8": (14_000.0, 80.0),
                 "torchtitan 0.2.2 bf16": (8_000.0, None), "torchtitan 0.2.2 float8": (14_000.0, None),
                 "torchtitan 0.3.0 bf16": (9_000.0, None),
-                "titanlite bf16 +model.attention_backend sdpa": (9_000.0, 95.0)}
+                "titanlite bf16 +model.attention_backend sdpa_cudnn": (9_000.0, 95.0)}
     for r in rows:
         if r.label in measured:
             r.result = steady_run(r.label, *measured[r.label])
@@ -898,12 +898,12 @@ def test_float8_fsdp_table_ratios_in_the_same_precision_and_predictions_beside_e
     f8 = by["titanlite float8"]
     assert (f8["vs 0.2.2"], f8["vs 0.3.0"], f8["vs best titanlite bf16"]) == ("1.000", "-", "1.400")
     assert f8["predicted tok/s (err %)"] == "-" and f8["note"] == "predicted for other options"
-    sdpa = by["titanlite bf16 +model.attention_backend sdpa"]
+    sdpa = by["titanlite bf16 +model.attention_backend sdpa_cudnn"]
     assert sdpa["vs 0.2.2"] == "1.125" and sdpa["note"] == "no prediction for this row"
     assert by["torchtitan 0.3.0 float8"]["note"].startswith("not run: 0.3.0's float8 is rowwise only")
     assert by["torchtitan 0.2.2 bf16"]["vs 0.2.2"] == "-" and by["torchtitan 0.2.2 bf16"]["predicted tok/s (err %)"] == "-"
     # the rows by precision: bf16 (titanlite, 0.2.2, 0.3.0, the variant), then float8
-    assert list(by) == ["titanlite bf16", "titanlite bf16 +model.attention_backend sdpa", "torchtitan 0.2.2 bf16",
+    assert list(by) == ["titanlite bf16", "titanlite bf16 +model.attention_backend sdpa_cudnn", "torchtitan 0.2.2 bf16",
                         "torchtitan 0.3.0 bf16", "titanlite float8", "torchtitan 0.2.2 float8", "torchtitan 0.3.0 float8"]
 
 
@@ -928,7 +928,7 @@ def test_float8_fsdp_budget_cuts_the_last_rows_and_writes_after_every_row(tmp_pa
     assert seen == [("titanlite bf16", 300), ("titanlite float8", 300), ("torchtitan 0.2.2 bf16", 200)]
     notes = {r["run"]: r["note"] for r in md_tables((tmp_path / "float8_fsdp.md").read_text())[0]}
     assert notes["torchtitan 0.2.2 float8"] == "not run: 50 s of --budget left, a row takes about 150"
-    assert notes["titanlite bf16 +model.attention_backend sdpa"].startswith("not run: 50 s of --budget left")
+    assert notes["titanlite bf16 +model.attention_backend sdpa_cudnn"].startswith("not run: 50 s of --budget left")
     saved = json.loads((tmp_path / "float8_fsdp.json").read_text())
     assert [r["label"] for r in saved["rows"] if r["run"]] == [s for s, _ in seen]
 
@@ -947,7 +947,7 @@ def test_float8_fsdp_predict_writes_what_the_table_reads(tmp_path, monkeypatch):
     saved = json.loads(out.read_text())
     assert (saved["ngpus"], saved["hardware"]) == (4, "h200") and len(calls) == 3
     assert list(saved["predictions"]) == ["titanlite bf16 | b2", "titanlite float8 | b2",
-                                          "titanlite bf16 +model.attention_backend sdpa | b2"]
+                                          "titanlite bf16 +model.attention_backend sdpa_cudnn | b2"]
     a = f.parse_args([*EIGHT_B, "--predictions", str(out)])
     rows = f.plan(a)
     opts = {id(r): f.options(a, r) for r in rows if r.lib == "titanlite"}
