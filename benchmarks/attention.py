@@ -10,8 +10,8 @@ they are, the other pinned SDPA kernels get them expanded to the query heads. TF
 matmuls over half the S x S square, 2 * B * Hq * S^2 * D, and the backward 2.5 times that (the
 convention of flash-attention's benchmarks). `first s` is the first call (flash-attn 4 compiles its
 kernels then; cuDNN builds its plan). `auto` (AUTO_ORDER in titanlite/ops/attention.py) is what this
-GPU's row picks at each shape's sequence length. The note names the longest forward and backward kernel of one more call
-(stream_profile's categories): which kernel unpinned SDPA chose. Writes attention.md and attention.json
+GPU's row picks at each shape's sequence length. The note names the longest forward and backward
+kernel of one more call (stream_profile's categories): which kernel unpinned SDPA chose. Writes attention.md and attention.json
 to --out.
 """
 

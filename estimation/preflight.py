@@ -53,6 +53,13 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
     cfg.estimate.search, cfg.estimate.max_local_batch = True, local  # the largest that fits, up to the configured
     mode = data_parallel_mode(cfg, world)
     where = f"{world} x {hw.device_name}" + (f", {mode}" if world > 1 else "")
+
+    def batch(search: dict) -> tuple[str, list[str]]:
+        """The batch a search found that keeps the global batch: as the lines say it, and as options."""
+        fit = search["local_batch_for_global"]
+        return (f"local batch {fit} x accumulation {search['gradient_accumulation_steps']}",
+                ["--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)])
+
     try:
         report = estimate(cfg, progress=lambda _line: None)
     except DoesNotFit as e:  # not even local batch 1 fits: the estimate says why and what could. Any other
@@ -70,11 +77,10 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
         # adjust: clear of it, at no less than half the micro-batch (a tight batch may run; many more, smaller
         # micro-steps surely cost: at LLaMA 1.36B local 43 would start again at 1 x accumulation 43)
         if cfg.training.memory_fit == "adjust" and nodes == 1 and fit and local / 2 <= fit < local:
-            return {"action": "restart", "args": ["--training.local_batch_size", str(fit),
-                                                  "--training.global_batch_size", str(global_batch)],
-                    "line": f"{head}, {inside}; starting again at local batch {fit} x accumulation "
-                            f"{search['gradient_accumulation_steps']}, the largest clear of it that keeps the global "
-                            f"batch {global_batch} ({search['peak_gib_for_global']:.2f} GiB; "
+            said, args = batch(search)
+            return {"action": "restart", "args": args,
+                    "line": f"{head}, {inside}; starting again at {said}, the largest clear of it that keeps the "
+                            f"global batch {global_batch} ({search['peak_gib_for_global']:.2f} GiB; "
                             f"training.memory_fit=adjust, {took})"}
         return {"action": "warn", "line": f"warning: {head} ({took}), {inside}: the steps may slow while it releases "
                                           f"its cache, or run out of memory"}
@@ -110,19 +116,18 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
                                           f"the accumulation that keeps the global batch {global_batch}, with any "
                                           f"activation checkpointing: try more GPUs with --parallelism.data_parallel "
                                           f"fsdp or a shorter --training.seq_len"}
-    batch = f"local batch {fit} x accumulation {search['gradient_accumulation_steps']}"
-    args = (["--activation_checkpoint.mode", ac] if ac else []) + [
-        "--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)]
+    said, args = batch(search)
+    args = (["--activation_checkpoint.mode", ac] if ac else []) + args
     fits = f"fits ({search['peak_gib_for_global']:.2f} GiB) and keeps the global batch {global_batch}"
     took = f"{time.perf_counter() - t0:.0f} s"
     if cfg.training.memory_fit == "adjust" and nodes == 1:
         with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
         return {"action": "restart", "args": args,
-                "line": f"memory check: {why}; starting again {with_ac}at {batch}, the largest that {fits} "
+                "line": f"memory check: {why}; starting again {with_ac}at {said}, the largest that {fits} "
                         f"(training.memory_fit=adjust, {took})"}
     keys = BATCH_KEYS + (("activation_checkpoint.mode",) if ac else ())
     with_ac = f"with activation_checkpoint.mode={ac}, " if ac else ""
-    return {"action": "stop", "line": f"error: {why}; {with_ac}{batch} {fits}: {command} "
+    return {"action": "stop", "line": f"error: {why}; {with_ac}{said} {fits}: {command} "
                                       f"{shlex.join([*without(argv, keys), *args])}"}
 
 
