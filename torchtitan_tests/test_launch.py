@@ -365,7 +365,6 @@ def test_check_names_the_checkpointing_that_fits_in_its_command():
                                "--training.global_batch_size", "2"]
 
 
-
 def test_a_run_no_checkpointing_fits_is_refused_naming_the_strongest_tried():
     """Not even local batch 1 with full checkpointing: the line says so, with that step's peak, and its
     advice no longer names checkpointing."""
@@ -378,6 +377,7 @@ def test_a_run_no_checkpointing_fits_is_refused_naming_the_strongest_tried():
                     r"activation_checkpoint\.mode=full: peak [\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; what "
                     r"could: ", v["line"]), v["line"]
     assert "activation_checkpoint" not in v["line"].split("what could:")[1]
+
 
 def test_a_run_whose_strongest_checkpointing_fits_only_tight_is_refused_without_naming_it():
     """Local batch 1 fits with full checkpointing only inside the headroom, and not at all without it: the
