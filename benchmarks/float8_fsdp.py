@@ -19,8 +19,10 @@ false` at the first batch (the optimizer's eager path). 0.3.0 runs from benchmar
 config functions (its own llama3 8B, or launch3's 1.36B), which this script puts on run.sh's path, on
 c4_test joined into long documents (`--tt3-data`: 0.3.0 masks attention per document, so on c4_test's
 own documents its attention would do less work than the others' causal attention over the sequence).
-Ratios: every titanlite row against each torchtitan version in the same precision at the same batch,
-and each float8 row against titanlite's best bf16 row of the call. `--predictions FILE` (made by
+`--ac` is every row's activation checkpointing; `selective` is per-op for all three (0.2.2's takes
+`selective_ac_option op`: its default checkpoints every second block whole). Ratios: every titanlite
+row against each torchtitan version in the same precision at the same batch, and each float8 row
+against titanlite's best bf16 row of the call. `--predictions FILE` (made by
 `--predict` on the CPU: `python -m estimation` with each titanlite row's options, `--estimate.ngpu
 NGPUS --estimate.hardware HW`) puts the estimate beside each titanlite row with its error (predicted /
 measured - 1). `--budget S`: a row that would not finish within S seconds of the start is a row saying
@@ -51,7 +53,10 @@ PRECISIONS = ("bf16", "float8")
 PEER_FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output",
                "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
-PEER_AC = {"none": [], "selective": ["--activation_checkpoint.mode", "selective"],
+# 0.2.2's selective defaults to checkpointing every second block whole; its per-op policy (matmul and attention
+# outputs saved, every second matmul recomputed) is the one like titanlite's, and 0.3.0's only selective mode
+PEER_AC = {"none": [], "selective": ["--activation_checkpoint.mode", "selective",
+                                     "--activation_checkpoint.selective_ac_option", "op"],
            "full": ["--activation_checkpoint.mode", "full"]}
 # torchtitan 0.3.0: benchmarks/tt3_configs.py's config functions, on the path run.sh gives 0.3.0 (its PYTHONPATH's
 # first folder), chosen by a --module/--config pair after run.sh's own (0.3.0's ConfigManager keeps the last)

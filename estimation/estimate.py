@@ -91,8 +91,10 @@ def headroom(configured: float, mode: str) -> float:
 # Memory outside the allocator's tensors, mostly the CUDA context (about half a GiB): on 1 x H100 with
 # torch 2.11 a step of 78.28 GiB max allocated ran on the 79.19 GiB GPU, so it is at most 0.91 GiB there.
 RESERVED_ONE_GPU_GIB = 0.6
-# NCCL's own buffers with several ranks (an allowance, not a measurement).
-RESERVED_NCCL_GIB = 0.5
+# More outside the allocator with several ranks (NCCL, and whatever else a multi-GPU job holds there): on H200
+# nvidia-smi's used memory less the peak reserved was 2.53 GiB with 2 ranks under fsdp (LLaMA-3.1-8B, three runs), so
+# the one-GPU figure above plus this (benchmarks/results/2026-11-29_2xh200_8b-local-batch-selective.md, call 5).
+RESERVED_NCCL_GIB = 1.95
 
 
 def usable_bytes(est, hw, world: int) -> float:

@@ -864,6 +864,17 @@ def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
     rows = f.plan(f.parse_args(["--batches", "4,16", "--float8-only", "--unfused", "--peers", ""]))
     assert [(r.label, r.batch) for r in rows] == [("titanlite float8", 4), ("titanlite float8 unfused", 4),
                                                   ("titanlite float8", 16)]
+    # --ac selective: titanlite's per-op policy against 0.2.2's per-op one (not its default, every second block) and
+    # 0.3.0's (per-op only)
+    a = f.parse_args([*EIGHT_B, "--ac", "selective"])
+    by = {r.label: r for r in f.plan(a)}
+    ours = f.options(a, by["titanlite bf16"])
+    assert ours[ours.index("--activation_checkpoint.mode") + 1] == "selective"
+    peer = by["torchtitan 0.2.2 bf16"].args
+    i = peer.index("--activation_checkpoint.mode")
+    assert peer[i:i + 4] == ["--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op"]
+    assert by["torchtitan 0.3.0 bf16"].env["TT3_BENCH_AC"] == "selective"
 
 
 @pytest.mark.parametrize("argv", [["--precisions", "fp16"], ["--peers", "0.1"], ["--batches", "2,x"],

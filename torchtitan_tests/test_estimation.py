@@ -1014,3 +1014,75 @@ def test_rowwise_float8_throughput_comes_with_its_known_limit():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RowwiseFloat8)
         _estimate("--float8.enable", "--float8.emulate")
+
+
+def test_recommend_tries_checkpointing_where_a_batch_that_does_not_fit_would_be_faster():
+    """A class that reaches the target batch only through accumulation is measured again with selective
+    checkpointing when its own prediction at the larger batch that does not fit beats its best that does
+    (a larger micro-batch shares each micro-step's fixed work), and offered at the batches only it holds;
+    where every batch fits it is not measured."""
+    from estimation.estimate import GIB
+    from estimation.fake_run import FakeRun
+    from estimation.hardware import auto_attention, get_hardware
+    from estimation.recommend import AC_WORTH, Knobs, _config, recommend
+
+    args = ("--training.seq_len", "512", "--training.global_batch_size", "16", "--estimate.recommend",
+            "--compile.enable=false", "--estimate.recommend_opt_in=false", "--estimate.recommend_top", "20")
+
+    def run(*extra):
+        said = []
+        best = recommend(_cfg(*args, *extra), progress=said.append)["best"]
+        return best, [s for s in said if "peak at local batch 1" in s]
+
+    def screened(knobs):
+        """The recommender's line through a class's peaks at local batch 1 and 2: local 8 x 2 and 16 x 1."""
+        h100 = get_hardware("h100")
+        fake = FakeRun(_config(_cfg(*args), knobs, 1, 16, 1), 1, auto_attention(h100), int(h100.memory_gib * GIB))
+        r1, r2 = fake.step(1, micro_steps=2), fake.step(2, micro_steps=2)
+        fake.close()
+        one, two = r1.peak_without_accumulation(), r2.peak_without_accumulation()
+        return r1.peak_bytes + 7 * (r2.peak_bytes - r1.peak_bytes), one + 15 * (two - one)
+
+    plain = Knobs("none", "none", False, True, False)
+    roomy, measured = run()
+    assert measured and not any("AC" in s for s in measured)  # every batch fits: no class measured again
+    by_local = {c.local: c for c in roomy if c.knobs == plain}
+    assert by_local[16].tokens_per_sec_per_gpu > (1 + AC_WORTH) * by_local[8].tokens_per_sec_per_gpu
+    # a GPU on which the screening line puts 16 x 1 over the headroom without checkpointing and under it with
+    # selective checkpointing, and 8 x 2 under it
+    at8, at16 = screened(plain)
+    _, selective16 = screened(dataclasses.replace(plain, ac="selective"))
+    assert max(at8, selective16) < at16
+    usable = (max(at8, selective16) + at16) / 2 * (1 + MODES["none"].headroom)
+    tight, measured = run("--estimate.reserved_gib", str(get_hardware("h100").memory_gib - usable / GIB))
+    assert any("AC selective" in s for s in measured), measured
+    assert 16 not in {c.local for c in tight if c.knobs.ac == "none"}
+    # checkpointing is offered only at the batch its class cannot hold without it
+    assert {c.local for c in tight if c.knobs == dataclasses.replace(plain, ac="selective")} == {16}
+
+
+def test_recommend_offers_the_whole_share_in_one_micro_step_where_accumulation_does_not_fit(monkeypatch):
+    """Accumulation can cost more memory than the larger micro-batch it replaces (fsdp holds the whole
+    model's gradients between micro-steps): a class whose local batch 1 fits only without accumulation is
+    still searched, and its share in one micro-step offered. The fake step's peaks are set here: 100 GiB
+    plus 1 a sequence with accumulation, 10 GiB a sequence without."""
+    import estimation.fake_run
+    from estimation.estimate import GIB
+    from estimation.recommend import recommend
+
+    real = estimation.fake_run.FakeRun
+
+    class Peaks(real):
+        def step(self, local_batch, micro_steps=1):
+            r = super().step(local_batch, micro_steps=micro_steps)
+            alone = 10 * local_batch * GIB
+            r.phase_peak = {"fwd_accum": alone, "bwd_accum": alone, "opt": alone}
+            r.peak_bytes = (100 + local_batch) * GIB if micro_steps > 1 else alone
+            return r
+
+    monkeypatch.setattr(estimation.fake_run, "FakeRun", Peaks)
+    said = []
+    best = recommend(_cfg("--training.global_batch_size", "4", "--estimate.recommend", "--compile.enable=false",
+                          "--estimate.recommend_opt_in=false"), progress=said.append)["best"]
+    assert best and {(c.local, c.accum, c.knobs.ac) for c in best} == {(4, 1, "none")}, said
+    assert best[0].peak_bytes == 40 * GIB
