@@ -158,6 +158,15 @@ def _interp(w1: PhaseWork, w2: PhaseWork, b: int) -> PhaseWork:
     return out
 
 
+def _peak_on_line(r1, r2, b: int, accum: int) -> float:
+    """A class's peak at local batch b, on the line through its fake steps at batches 1 and 2 (two
+    micro-steps each): with the gradients they hold between micro-steps where accum > 1, without them
+    where the batch is one micro-step."""
+    p1, p2 = (r1.peak_bytes, r2.peak_bytes) if accum > 1 else (r1.peak_without_accumulation(),
+                                                               r2.peak_without_accumulation())
+    return p1 + (p2 - p1) * (b - 1)
+
+
 def _progress(msg: str) -> None:
     print(f"[recommend] {msg}", file=sys.stderr, flush=True)
 
@@ -223,9 +232,7 @@ def recommend(cfg, progress=_progress) -> dict:
             if r2 is None:
                 peak, work = one, r1.work
             else:
-                p1 = r1.peak_bytes if accum > 1 else r1.peak_without_accumulation()
-                p2 = r2.peak_bytes if accum > 1 else r2.peak_without_accumulation()
-                peak = p1 + (p2 - p1) * (b - 1)
+                peak = _peak_on_line(r1, r2, b, accum)
                 work = {ph: _interp(r1.work[ph], r2.work[ph], b) for ph in r2.work if ph in r1.work}
             tokens = b * accum * world * seq
             p = predict(work, a, accum, tokens, flops_per_token, world)["overlap"]
@@ -259,13 +266,16 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
 
     est, seq = cfg.estimate, cfg.training.seq_len
     flops_per_token = get_model_args(cfg.model.name, cfg.model.flavor, cfg.model.vocab_size).flops_per_token(seq)
-    def held_with_less(c, kept) -> bool:  # the same batch, verified with less checkpointing: the same step, more work
+
+    def held_with_less(c, verified) -> bool:
+        """Its batch is verified with less checkpointing: the same step, less recomputed."""
+        kept = {(d.knobs, d.local) for d in verified}
         return any((dataclasses.replace(c.knobs, ac=less), c.local) in kept
                    for less in AC_CHOICES[:AC_CHOICES.index(c.knobs.ac)])
 
     out, pending = [], list(candidates)
     while pending and len(out) < top:
-        pending = [c for c in pending if not held_with_less(c, {(d.knobs, d.local) for d in out})]
+        pending = [c for c in pending if not held_with_less(c, out)]
         batch = pending[:top - len(out)]  # the next best, verified class by class
         pending = pending[len(batch):]
         for knobs in dict.fromkeys(c.knobs for c in batch):
@@ -289,7 +299,7 @@ def _verify(cfg, candidates, world, usable, hw, attention, top, progress) -> lis
                 c.peak_bytes, c.verified, c.dominant = r.peak_bytes, True, p["dominant"]
                 c.tokens_per_sec_per_gpu, c.mfu_pct = p["overlap"]["tokens_per_sec_per_gpu"], p["overlap"]["mfu_pct"]
                 out.append(c)
-        out = [c for c in out if not held_with_less(c, {(d.knobs, d.local) for d in out})]
+        out = [c for c in out if not held_with_less(c, out)]
     out.sort(key=lambda c: -c.tokens_per_sec_per_gpu)
     return out[:top]
 

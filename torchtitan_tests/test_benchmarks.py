@@ -819,8 +819,8 @@ def test_a_chosen_float8_sweep_row_brings_its_bf16_run():
 
 
 # ---------------------------------------------------------------------------------- float8_fsdp.py
-EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0", "--extra=--model.attention_backend sdpa_cudnn",
-           "--extra-at", "bf16", "--steps", "12", "--skip", "6"]
+EIGHT_B = ["--model", "8B", "--batches", "2", "--peers", "0.2.2,0.3.0",
+           "--extra=--model.attention_backend sdpa_cudnn", "--extra-at", "bf16", "--steps", "12", "--skip", "6"]
 
 
 def float8_fsdp():
@@ -848,7 +848,8 @@ def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
         ("titanlite bf16 +model.attention_backend sdpa_cudnn", 2)]
     by = {r.label: r for r in rows}
     assert by["titanlite float8"].args == ["--training.local_batch_size", "2", "--float8.enable"]
-    assert by["titanlite bf16 +model.attention_backend sdpa_cudnn"].args[-2:] == ["--model.attention_backend", "sdpa_cudnn"]
+    assert by["titanlite bf16 +model.attention_backend sdpa_cudnn"].args[-2:] == ["--model.attention_backend",
+                                                                                  "sdpa_cudnn"]
     assert f.options(a, by["titanlite bf16"])[-6:] == ["--model.name", "llama", "--model.flavor", "8B",
                                                        "--training.local_batch_size", "2"]
     peer = by["torchtitan 0.2.2 float8"].args

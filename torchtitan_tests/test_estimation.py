@@ -1024,7 +1024,7 @@ def test_recommend_tries_checkpointing_where_a_batch_that_does_not_fit_would_be_
     from estimation.estimate import GIB
     from estimation.fake_run import FakeRun
     from estimation.hardware import auto_attention, get_hardware
-    from estimation.recommend import AC_WORTH, Knobs, _config, recommend
+    from estimation.recommend import AC_WORTH, Knobs, _config, _peak_on_line, recommend
 
     args = ("--training.seq_len", "512", "--training.global_batch_size", "16", "--estimate.recommend",
             "--compile.enable=false", "--estimate.recommend_opt_in=false", "--estimate.recommend_top", "20")
@@ -1040,8 +1040,7 @@ def test_recommend_tries_checkpointing_where_a_batch_that_does_not_fit_would_be_
         fake = FakeRun(_config(_cfg(*args), knobs, 1, 16, 1), 1, auto_attention(h100), int(h100.memory_gib * GIB))
         r1, r2 = fake.step(1, micro_steps=2), fake.step(2, micro_steps=2)
         fake.close()
-        one, two = r1.peak_without_accumulation(), r2.peak_without_accumulation()
-        return r1.peak_bytes + 7 * (r2.peak_bytes - r1.peak_bytes), one + 15 * (two - one)
+        return _peak_on_line(r1, r2, 8, 2), _peak_on_line(r1, r2, 16, 1)
 
     plain = Knobs("none", "none", False, True, False)
     roomy, measured = run()
