@@ -296,6 +296,13 @@ def estimate(cfg, progress=_progress) -> dict:
     fits_configured = res is not None and fits(res.peak_bytes)
     tokens_per_step = local * world * accum * seq
     flops_per_token = args.flops_per_token(seq)
+    a = assumptions(est, hw, world, attention, seq_len=seq).replayed(cfg.training.cuda_graphs)
+
+    def rate(b: int, r: StepResult) -> float:
+        """Predicted tokens/s per GPU of local batch b (fake step r) at the accumulation keeping the global batch."""
+        n = cfg.training.global_batch_size // (b * world)
+        return predict(r.work, a, n, b * world * n * seq, flops_per_token, world)["overlap"]["tokens_per_sec_per_gpu"]
+
     report = {
         "config": {
             "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": args.num_params(), "ngpu": world,
@@ -308,7 +315,7 @@ def estimate(cfg, progress=_progress) -> dict:
             "bf16_params": cfg.training.bf16_params, "moments_dtype": cfg.optimizer.moments_dtype,
         },
         "memory": _memory(res, hw, usable, fits, local * floor + state),
-        "batch_search": _search(results, largest, cfg, world, fits, for_global) if est.search else None,
+        "batch_search": _search(results, largest, cfg, world, fits, for_global, rate) if est.search else None,
         "throughput": None,
         "notes": [
             "memory is per rank (rank 0); with compile.enable the compiled blocks keep what torch.compile's "
@@ -322,7 +329,6 @@ def estimate(cfg, progress=_progress) -> dict:
     if fits_configured:
         if cfg.float8.enable and cfg.float8.recipe == "rowwise":
             warnings.warn(RowwiseFloat8(ROWWISE_NOTE))
-        a = assumptions(est, hw, world, attention, seq_len=cfg.training.seq_len).replayed(cfg.training.cuda_graphs)
         report["throughput"] = {"flops_per_token": flops_per_token,
                                 **predict(res.work, a, accum, tokens_per_step, flops_per_token, world)}
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
@@ -351,7 +357,8 @@ def _memory(res: StepResult | None, hw, usable: float, fits, least_bytes: int) -
     }
 
 
-def _search(results: dict, largest: int, cfg, world: int, fits, for_global: dict) -> dict:
+def _search(results: dict, largest: int, cfg, world: int, fits, for_global: dict, rate=None) -> dict:
+    """The search's answers; `rate(b, step)`: the predicted tokens/s per GPU of the batch keeping the global batch."""
     gb = cfg.training.global_batch_size
     above = results.get(largest + 1)
     out = {"largest_local_batch": largest, "peak_gib_at_largest": round(results[largest].peak_bytes / GIB, 3)
@@ -370,6 +377,7 @@ def _search(results: dict, largest: int, cfg, world: int, fits, for_global: dict
         out["local_batch_for_global"] = b
         out["gradient_accumulation_steps"] = gb // (b * world) if b else None
         out["peak_gib_for_global"] = round(for_global[b].peak_bytes / GIB, 3) if b else None
+        out["tokens_per_sec_per_gpu_for_global"] = round(rate(b, for_global[b])) if b and rate else None
         out["probes_for_global"] = [{"local_batch": b, "gradient_accumulation_steps": gb // (b * world),
                                      "peak_gib": round(r.peak_bytes / GIB, 3), "fits": r.peak_bytes <= fits.comfortable}
                                     for b, r in for_global.items()]
@@ -416,7 +424,9 @@ def format_report(r: dict) -> str:
         if s.get("local_batch_for_global"):
             lines.append(f"global batch {s['global_batch_size']}: local batch {s['local_batch_for_global']} x "
                          f"{c['ngpu']} ranks x {s['gradient_accumulation_steps']} accumulation steps (peak "
-                         f"{s['peak_gib_for_global']:.2f} GiB with its accumulation)")
+                         f"{s['peak_gib_for_global']:.2f} GiB with its accumulation"
+                         + (f", {s['tokens_per_sec_per_gpu_for_global']:,} tokens/s per GPU)"
+                            if s.get("tokens_per_sec_per_gpu_for_global") else ")"))
         elif s["global_batch_size"] != "local x ranks (no accumulation)":
             lines.append(f"global batch {s['global_batch_size']}: " + (
                 f"no local batch <= {s['largest_local_batch']} that divides it over {c['ngpu']} ranks fits with its "

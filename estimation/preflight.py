@@ -4,16 +4,18 @@ start-up: `python -m estimation.preflight --world-size W --nodes N --hardware KE
 It predicts the job's peak memory per GPU on that GPU with `estimation.estimate` (the configured local
 batch, and where that does not fit, the batch search up to it, its answer measured at the accumulation
 it runs with; where no batch keeping the global batch fits, the same with stronger activation
-checkpointing, selective then full), on N nodes of W / N GPUs as the ranks are laid out (hsdp's
-default mesh shards inside a node), and prints one JSON line, what the launcher does: {"action":
-"none" | "warn" | "stop" | "restart", "line": the line to print, "args": the options to restart
-with}. `stop` names the predicted peak, the GPU's memory and the command (C followed by ARGS, the
-batch options, and the checkpointing where it was raised, replaced) that fits; `restart`
-(training.memory_fit=adjust, one node) the local batch (and checkpointing) it starts again at, also
-for a tight batch (one that fits only inside the allocator's headroom) where the largest clear one
-keeping the global batch is at least half of it; `warn` a tight batch left as it is. The
-global batch is kept: the configured one, or local x ranks where it is -1, with the accumulation
-raised. Only the estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a
+checkpointing, selective then full; where the batch found is smaller than the configured one, the
+next level's too, taken where its larger micro-batch is predicted faster by more than
+recommend.AC_WORTH), on N nodes of W / N GPUs as the ranks are laid out (hsdp's default mesh shards
+inside a node), and prints one JSON line, what the launcher does: {"action": "none" | "warn" |
+"stop" | "restart", "line": the line to print, "args": the options to restart with}. `stop` names
+the predicted peak, the GPU's memory and the command (C followed by ARGS, the batch options, and the
+checkpointing where it was raised, replaced) that fits; `restart` (training.memory_fit=adjust, one
+node) the local batch (and checkpointing) it starts again at, also for a tight batch (one that fits
+only inside the allocator's headroom) where the largest clear one keeping the global batch, at the
+configured checkpointing or the next level's, is at least half of it; `warn` a tight batch left as
+it is. The global batch is kept: the configured one, or local x ranks where it is -1, with the
+accumulation raised. Only the estimate's answer that nothing fits (estimation.DoesNotFit) stops the job; a
 prediction that fails (any other error, a ConfigError included) says so in its line and stops nothing.
 """
 
@@ -34,7 +36,7 @@ from titanlite.parallel.launcher_env import Launch
 from estimation import DoesNotFit
 from estimation.estimate import estimate
 from estimation.hardware import get_hardware
-from estimation.recommend import AC_CHOICES
+from estimation.recommend import AC_CHOICES, AC_WORTH
 
 BATCH_KEYS = ("training.local_batch_size", "training.global_batch_size", "training.memory_fit")
 
@@ -53,12 +55,48 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
     cfg.estimate.search, cfg.estimate.max_local_batch = True, local  # the largest that fits, up to the configured
     mode = data_parallel_mode(cfg, world)
     where = f"{world} x {hw.device_name}" + (f", {mode}" if world > 1 else "")
+    configured_ac = cfg.activation_checkpoint.mode
+    restarts = cfg.training.memory_fit == "adjust" and nodes == 1
 
     def batch(search: dict) -> tuple[str, list[str]]:
         """The batch a search found that keeps the global batch: as the lines say it, and as options."""
         fit = search["local_batch_for_global"]
         return (f"local batch {fit} x accumulation {search['gradient_accumulation_steps']}",
                 ["--training.local_batch_size", str(fit), "--training.global_batch_size", str(global_batch)])
+
+    def searched(ac: str) -> tuple[dict, DoesNotFit | None]:
+        """The batch search with activation checkpointing `ac`; empty, with the estimate's answer, where not
+        even local batch 1 fits."""
+        c = copy.deepcopy(cfg)
+        c.activation_checkpoint.mode = ac
+        try:
+            return estimate(c, progress=lambda _line: None)["batch_search"], None
+        except DoesNotFit as e:
+            return {}, e
+
+    def faster_with_more_checkpointing(search: dict, ac: str | None = None,
+                                       least: int = 1) -> tuple[dict, str | None, str]:
+        """A micro-batch smaller than the configured one repeats each micro-step's gathers and per-step
+        kernels (LLaMA-3.1-8B under fsdp on 2 x H200 ran 1.06x faster at local 2 with selective checkpointing
+        than at local 1 without): `search` (made with checkpointing `ac`, None: the configured), or the next
+        level's batch keeping the global batch (at least `least`), level by level while that is predicted
+        faster by more than recommend.AC_WORTH. Returns the search chosen, its level (None: the configured)
+        and the comparison as the line says it."""
+        said = ""
+        for stronger in AC_CHOICES[AC_CHOICES.index(ac or configured_ac) + 1:]:
+            if (search.get("local_batch_for_global") or 0) == local:
+                break  # the configured micro-batch: more checkpointing only adds work
+            up = searched(stronger)[0]
+            ours, theirs = up.get("tokens_per_sec_per_gpu_for_global"), search.get("tokens_per_sec_per_gpu_for_global")
+            if not ours or up["local_batch_for_global"] < least or (theirs and ours <= (1 + AC_WORTH) * theirs):
+                break
+            if theirs:
+                less = f"with activation_checkpoint.mode={ac or configured_ac}"
+                said = (f"predicted faster than {batch(search)[0]} "
+                        f"{'without checkpointing' if less.endswith('=none') else less}: {ours:,} against {theirs:,} "
+                        f"tokens/s per GPU")
+            search, ac = up, stronger
+        return search, ac, said
 
     try:
         report = estimate(cfg, progress=lambda _line: None)
@@ -68,22 +106,25 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
         m = report["memory"]
         head = (f"memory check: {cfg.model.name}/{cfg.model.flavor} at local batch {local} on {where}: predicted "
                 f"peak {m['peak_gib']:.2f} GiB per GPU of {hw.memory_gib:.1f} GiB")
-        took = f"{time.perf_counter() - t0:.0f} s"
         if not m["tight"]:
-            return {"action": "none", "line": f"{head} ({took})"}
+            return {"action": "none", "line": f"{head} ({time.perf_counter() - t0:.0f} s)"}
         inside = f"inside the allocator's {m['allocator_headroom']:.0%} headroom"
-        search = report["batch_search"]
-        fit = search.get("local_batch_for_global")
-        # adjust: clear of it, at no less than half the micro-batch (a tight batch may run; many more, smaller
-        # micro-steps surely cost: at LLaMA 1.36B local 43 would start again at 1 x accumulation 43)
-        if cfg.training.memory_fit == "adjust" and nodes == 1 and fit and local / 2 <= fit < local:
-            said, args = batch(search)
-            return {"action": "restart", "args": args,
-                    "line": f"{head}, {inside}; starting again at {said}, the largest clear of it that keeps the "
-                            f"global batch {global_batch} ({search['peak_gib_for_global']:.2f} GiB; "
-                            f"training.memory_fit=adjust, {took})"}
-        return {"action": "warn", "line": f"warning: {head} ({took}), {inside}: the steps may slow while it releases "
-                                          f"its cache, or run out of memory"}
+        if restarts:
+            # adjust: clear of it, at no less than half the micro-batch (a tight batch may run; many more, smaller
+            # micro-steps surely cost: at LLaMA 1.36B local 43 would start again at 1 x accumulation 43)
+            search = report["batch_search"]
+            if not local / 2 <= (search.get("local_batch_for_global") or 0) < local:
+                search = {}
+            search, ac, said = faster_with_more_checkpointing(search, least=-(-local // 2))
+            if search.get("local_batch_for_global"):
+                with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
+                return {"action": "restart", "args": (["--activation_checkpoint.mode", ac] if ac else [])
+                        + batch(search)[1],
+                        "line": f"{head}, {inside}; starting again {with_ac}at {batch(search)[0]}, the largest clear "
+                                f"of it that keeps the global batch {global_batch} ({search['peak_gib_for_global']:.2f} "
+                                f"GiB{'; ' + said if said else ''}; training.memory_fit=adjust, {time.perf_counter() - t0:.0f} s)"}
+        return {"action": "warn", "line": f"warning: {head} ({time.perf_counter() - t0:.0f} s), {inside}: the steps "
+                                          f"may slow while it releases its cache, or run out of memory"}
 
     if report is not None:
         m = report["memory"]
@@ -92,21 +133,19 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
                f"({where}), more than the {m['usable_gib']:.2f} GiB usable of the GPU's {hw.memory_gib:.1f} GiB")
     else:
         why = nothing.why
-    # A batch that keeps the global batch at the configured checkpointing; where none does, the first
-    # stronger checkpointing with one (recomputing more, the same model trained: to rounding)
-    search, ac = report["batch_search"] if report is not None else {}, None
-    if not search.get("local_batch_for_global"):
-        for stronger in AC_CHOICES[AC_CHOICES.index(cfg.activation_checkpoint.mode) + 1:]:
-            c = copy.deepcopy(cfg)
-            c.activation_checkpoint.mode = stronger
-            try:
-                search = estimate(c, progress=lambda _line: None)["batch_search"]
-            except DoesNotFit as e:  # said with the strongest tried: its advice no longer names checkpointing
-                nothing = e
-                continue
-            nothing = None  # a batch fits there, if only inside the headroom: not a DoesNotFit's refusal
+    # A batch that keeps the global batch at the configured checkpointing, or with more where that is predicted
+    # faster; where none does, the first stronger checkpointing with one (recomputing more, the same model
+    # trained: to rounding)
+    search, ac, said = report["batch_search"] if report is not None else {}, None, ""
+    if search.get("local_batch_for_global"):
+        search, ac, said = faster_with_more_checkpointing(search)
+    else:
+        for stronger in AC_CHOICES[AC_CHOICES.index(configured_ac) + 1:]:
+            # not even local batch 1 fits: said with the strongest tried (its advice no longer names
+            # checkpointing); a batch fits, if only inside the headroom: not a DoesNotFit's refusal
+            search, nothing = searched(stronger)
             if search.get("local_batch_for_global"):
-                ac = stronger
+                search, ac, said = faster_with_more_checkpointing(search, stronger)
                 break
     fit = search.get("local_batch_for_global")
     if not fit:
@@ -116,18 +155,19 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
                                           f"the accumulation that keeps the global batch {global_batch}, with any "
                                           f"activation checkpointing: try more GPUs with --parallelism.data_parallel "
                                           f"fsdp or a shorter --training.seq_len"}
-    said, args = batch(search)
+    said_batch, args = batch(search)
     args = (["--activation_checkpoint.mode", ac] if ac else []) + args
-    fits = f"fits ({search['peak_gib_for_global']:.2f} GiB) and keeps the global batch {global_batch}"
+    fits = (f"fits ({search['peak_gib_for_global']:.2f} GiB) and keeps the global batch {global_batch}"
+            + (f", {said}" if said else ""))
     took = f"{time.perf_counter() - t0:.0f} s"
-    if cfg.training.memory_fit == "adjust" and nodes == 1:
+    if restarts:
         with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
         return {"action": "restart", "args": args,
-                "line": f"memory check: {why}; starting again {with_ac}at {said}, the largest that {fits} "
+                "line": f"memory check: {why}; starting again {with_ac}at {said_batch}, the largest that {fits} "
                         f"(training.memory_fit=adjust, {took})"}
     keys = BATCH_KEYS + (("activation_checkpoint.mode",) if ac else ())
     with_ac = f"with activation_checkpoint.mode={ac}, " if ac else ""
-    return {"action": "stop", "line": f"error: {why}; {with_ac}{said} {fits}: {command} "
+    return {"action": "stop", "line": f"error: {why}; {with_ac}{said_batch} {fits}: {command} "
                                       f"{shlex.join([*without(argv, keys), *args])}"}
 
 

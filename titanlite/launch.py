@@ -11,9 +11,9 @@ What run_train.sh runs once it has chosen the processes (one process when no tor
    ranks at once (they are compiling, or in a step that needs that peak): `check` ends the job in
    one line (exit code 2) naming the predicted peak, the GPU's memory and the command that fits;
    `adjust` starts the job again at the largest local batch that fits and divides the global batch,
-   with the accumulation that keeps it (where none does, with activation checkpointing raised), and
-   says so; a tight batch (inside the allocator's headroom) too, where the clear one is at least half
-   of it. A job that ends first ends the check, but for an out-of-memory failure under `adjust`,
+   with the accumulation that keeps it (where none does, or where more checkpointing lets a larger
+   micro-batch run that is predicted faster, with activation checkpointing raised), and says so; a
+   tight batch (inside the allocator's headroom) too, where the clear one is at least half of it. A job that ends first ends the check, but for an out-of-memory failure under `adjust`,
    which waits for the prediction to start again.
 3. The job: `python -m titanlite.train ARGS`, or torchrun run inside this module's `agent`, where a
    failed job ends in one line with its exit code instead of torchrun's report (`job_line`: a rank

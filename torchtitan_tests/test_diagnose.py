@@ -626,7 +626,8 @@ BF16_GRADIENTS = {"parallelism.fsdp_gradient_transport": "auto", "parallelism.fs
 def test_gradients_that_crossed_in_bf16_count_two_bytes_and_are_not_told_to_halve(tmp_path):
     """A run whose fsdp gradients crossed the link in bf16 (parallelism.fsdp_gradient_transport) reduced two
     bytes a parameter, not four, and the overlap advice says so instead of offering fsdp_reduce_dtype bfloat16
-    to halve them; with the transport off, with accumulation (float32 sums, NCCL's reduce-scatter), on a CPU
+    to halve them, also where each micro-step of several reduced into the shard; with the transport off, with
+    accumulation kept unsharded (float32 sums, NCCL's reduce-scatter), on a CPU
     run's float32 compute, or under ddp, the float32 bytes and that remedy stand."""
     from titanlite.diagnose.detectors import overlap_remedies
     from titanlite.diagnose.expected import gradient_bytes
@@ -637,12 +638,15 @@ def test_gradients_that_crossed_in_bf16_count_two_bytes_and_are_not_told_to_halv
                               ("nccl", {**BF16_GRADIENTS, "parallelism.fsdp_gradient_transport": "reduce_dtype"}, "fsdp"),
                               ("accumulated", {**BF16_GRADIENTS, "gradient_accumulation_steps": 4}, "fsdp"),
                               ("cpu", {**BF16_GRADIENTS, "training.mixed_precision_param": "auto"}, "fsdp"),
-                              ("ddp", BF16_GRADIENTS, "ddp")):
+                              ("ddp", BF16_GRADIENTS, "ddp"),
+                              ("accumulated_sharded", {**BF16_GRADIENTS, "gradient_accumulation_steps": 4,
+                                                       "parallelism.fsdp_accumulate": "sharded"}, "fsdp")):
         runs[name] = load_run(path)
         runs[name].config.update(extra, data_parallel=mode)
     runs["cpu"].hardware["device"] = "cpu"
     four = {name: gradient_bytes(r) for name, r in runs.items()}
-    assert four.pop("crossed") * 2 == four["nccl"] and len(set(four.values())) == 1
+    # each micro-step reduced into the shard (parallelism.fsdp_accumulate=sharded): its bf16 gradients crossed too
+    assert four.pop("crossed") * 2 == four.pop("accumulated_sharded") * 2 == four["nccl"] and len(set(four.values())) == 1
     assert overlap_remedies("fsdp", True, runs["crossed"]) == ["fsdp_grads_crossed_bf16", "fsdp_gathers_auto"]
     assert overlap_remedies("fsdp", True, runs["nccl"]) == ["fsdp_reduce_bf16", "fsdp_gathers_auto"]
 

@@ -215,11 +215,25 @@ def preflight(argv: list[str], world: int = 1, nodes: int = 1) -> dict:
                   "./run_train.sh", argv)
 
 
+def tight_reserve(m: dict) -> list[str]:
+    """estimate.reserved_gib that puts the peak of memory report `m` inside the allocator's headroom, not beyond it."""
+    return ["--estimate.reserved_gib", repr(m["gpu_memory_gib"] - m["peak_gib"] * (1 + m["allocator_headroom"] / 2))]
+
+
 def predicted_peak(argv: list[str]) -> dict:
     from estimation.estimate import estimate
 
     cfg = load_config(argv + ["--estimate.search=false"])
     return estimate(cfg, progress=lambda _: None)["memory"]
+
+
+@pytest.fixture
+def configured_checkpointing(monkeypatch):
+    """The batch search at the configured checkpointing alone: a larger micro-batch with more checkpointing
+    is never predicted faster enough to take its place (the debug model's would be)."""
+    import estimation.preflight
+
+    monkeypatch.setattr(estimation.preflight, "AC_WORTH", float("inf"))
 
 
 def test_the_check_of_a_run_that_fits_names_its_predicted_peak():
@@ -230,7 +244,7 @@ def test_the_check_of_a_run_that_fits_names_its_predicted_peak():
                         rf"{m['peak_gib']:.2f} GiB per GPU of 79\.2 GiB \(\d+ s\)", v["line"]), v["line"]
 
 
-def test_check_refuses_in_one_line_naming_the_command_that_fits():
+def test_check_refuses_in_one_line_naming_the_command_that_fits(configured_checkpointing):
     """The line names the predicted peak, the usable memory and the GPU's, and a command whose own
     prediction fits: the same options with the largest local batch that divides the global batch, and
     that command's own predicted peak (its accumulation's included)."""
@@ -249,7 +263,7 @@ def test_check_refuses_in_one_line_naming_the_command_that_fits():
                         rf"\./run_train\.sh .*", v["line"]), v["line"]
 
 
-def test_the_batch_for_the_global_batch_fits_with_its_accumulation():
+def test_the_batch_for_the_global_batch_fits_with_its_accumulation(configured_checkpointing):
     """A usable memory between local batch 8's peak without accumulation and its peak with it (the
     first micro-step's gradients held through the second): the search's probe at 8 fits, 8 x
     accumulation 2 does not, so the restart steps down to the next divisor of the global batch, 4 x 4,
@@ -269,7 +283,7 @@ def test_the_batch_for_the_global_batch_fits_with_its_accumulation():
                      rf"\({four['peak_gib']:.2f} GiB\) and keeps the global batch 16 \(", v["line"]), v["line"]
 
 
-def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several():
+def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(configured_checkpointing):
     argv = DEBUG + SMALL_GPU + ["--training.memory_fit", "adjust"]
     v = preflight(argv)
     assert v["action"] == "restart"
@@ -282,13 +296,11 @@ def test_adjust_restarts_one_node_at_the_batch_that_fits_and_refuses_on_several(
     assert "--training.memory_fit" not in v["line"]
 
 
-def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headroom_under_adjust():
+def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headroom_under_adjust(configured_checkpointing):
     """A local batch whose peak fits only inside the allocator's headroom: check warns and lets it run;
     adjust starts again at the largest batch clear of the headroom that keeps the global batch, where
     that is at least half the configured one, and otherwise warns as check does."""
-    m = predicted_peak(DEBUG)
-    usable = m["peak_gib"] * (1 + m["allocator_headroom"] / 2)  # the peak inside the headroom, not beyond it
-    tight = DEBUG + ["--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)]
+    tight = DEBUG + tight_reserve(predicted_peak(DEBUG))
     v = preflight(tight)
     assert v["action"] == "warn" and v["line"].startswith("warning: memory check: llama/debug at local batch 16 ")
     assert v["line"].endswith(", inside the allocator's 2% headroom: the steps may slow while it releases its "
@@ -301,18 +313,69 @@ def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headro
     assert re.search(rf"inside the allocator's 2% headroom; starting again at local batch 8 x accumulation 2, the "
                      rf"largest clear of it that keeps the global batch 16 \({again['peak_gib']:.2f} GiB; "
                      rf"training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
-    # a global batch of 17 (prime): the only clear batch keeping it is 1 x 17, not worth leaving a tight 17 for
-    m = predicted_peak(DEBUG + ["--training.local_batch_size", "17"])
-    usable = m["peak_gib"] * (1 + m["allocator_headroom"] / 2)
-    v = preflight(DEBUG + ["--training.local_batch_size", "17", "--training.memory_fit", "adjust",
-                           "--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable)])
+    # a global batch of 17 (prime) with full checkpointing (no level above it): the only clear batch keeping it
+    # is 1 x 17, not worth leaving a tight 17 for
+    full17 = DEBUG + ["--training.local_batch_size", "17", "--activation_checkpoint.mode", "full"]
+    m = predicted_peak(full17)
+    reserve = tight_reserve(m)
+    v = preflight(full17 + ["--training.memory_fit", "adjust"] + reserve)
     assert v["action"] == "warn" and "local batch 17 " in v["line"], v
     from estimation.estimate import estimate  # the clear batch it did not take: 1 x accumulation 17
 
-    cfg = load_config(DEBUG + ["--training.local_batch_size", "17", "--training.global_batch_size", "17",
-                               "--estimate.reserved_gib", repr(m["gpu_memory_gib"] - usable),
-                               "--estimate.max_local_batch", "17"])
+    cfg = load_config(full17 + reserve + ["--training.global_batch_size", "17", "--estimate.max_local_batch", "17"])
     assert estimate(cfg, progress=lambda _: None)["batch_search"]["local_batch_for_global"] == 1
+
+
+def test_a_tight_run_is_started_again_with_more_checkpointing_where_that_holds_half_its_batch_clear():
+    """Without checkpointing, a tight local batch 17 (a prime global batch) is clear only at 1 x 17;
+    selective checkpointing holds 17 itself clear, so adjust starts again with it (a larger micro-batch
+    than the configured level's, which is not asked to be predicted faster than it)."""
+    d17 = DEBUG + ["--training.local_batch_size", "17"]
+    m = predicted_peak(d17)
+    reserve = tight_reserve(m)
+    v = preflight(d17 + reserve + ["--training.memory_fit", "adjust"])
+    assert v["action"] == "restart", v
+    assert v["args"] == ["--activation_checkpoint.mode", "selective", "--training.local_batch_size", "17",
+                         "--training.global_batch_size", "17"]
+    again = predicted_peak(d17 + reserve + v["args"])
+    assert again["fits"] and not again["tight"]
+    assert re.search(rf"headroom; starting again with activation_checkpoint\.mode=selective at local batch 17 x "
+                     rf"accumulation 1, the largest clear of it that keeps the global batch 17 \({again['peak_gib']:.2f} "
+                     rf"GiB; training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
+
+
+def test_more_checkpointing_where_its_larger_micro_batch_is_predicted_faster(monkeypatch):
+    """Local batch 16 does not fit: without checkpointing the global batch is kept at 8 x accumulation 2,
+    with selective at 16 x 1. The second is taken where the estimate predicts it faster by more than
+    AC_WORTH (check names it, adjust starts it, each with both predictions), the first where not."""
+    import estimation.preflight
+    from estimation.estimate import estimate
+
+    def rate(extra: list[str]) -> int:
+        cfg = load_config(DEBUG + SMALL_GPU + ["--estimate.search=false", "--training.global_batch_size", "16", *extra])
+        return round(estimate(cfg, progress=lambda _: None)["throughput"]["overlap"]["tokens_per_sec_per_gpu"])
+
+    ours = rate(["--activation_checkpoint.mode", "selective"])
+    theirs = rate(["--training.local_batch_size", "8"])
+    gain = ours / theirs - 1
+    assert gain > 0.01, (ours, theirs)  # the debug model on one GPU: each micro-step's launches dominate
+    v = preflight(DEBUG + SMALL_GPU)
+    assert v["action"] == "stop"
+    assert (f"; with activation_checkpoint.mode=selective, local batch 16 x accumulation 1 fits (" in v["line"]
+            and f") and keeps the global batch 16, predicted faster than local batch 8 x accumulation 2 without "
+                f"checkpointing: {ours:,} against {theirs:,} tokens/s per GPU: ./run_train.sh " in v["line"]), v["line"]
+    assert v["line"].endswith(" --activation_checkpoint.mode selective --training.local_batch_size 16 "
+                              "--training.global_batch_size 16"), v["line"]
+    v = preflight(DEBUG + SMALL_GPU + ["--training.memory_fit", "adjust"])
+    assert v["args"] == ["--activation_checkpoint.mode", "selective", "--training.local_batch_size", "16",
+                         "--training.global_batch_size", "16"]
+    monkeypatch.setattr(estimation.preflight, "AC_WORTH", gain * 1.01)  # just more than it gains: not worth it
+    v = preflight(DEBUG + SMALL_GPU + ["--training.memory_fit", "adjust"])
+    assert v["args"] == ["--training.local_batch_size", "8", "--training.global_batch_size", "16"], v
+    assert "predicted faster" not in v["line"] and "activation_checkpoint" not in v["line"], v["line"]
+    monkeypatch.setattr(estimation.preflight, "AC_WORTH", gain * 0.99)
+    assert preflight(DEBUG + SMALL_GPU + ["--training.memory_fit", "adjust"])["args"][:2] == [
+        "--activation_checkpoint.mode", "selective"]
 
 
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
@@ -384,9 +447,7 @@ def test_a_run_whose_strongest_checkpointing_fits_only_tight_is_refused_without_
     refusal says no batch is clear with any checkpointing (not the advice to use full, just tried)."""
     one = ["--training.local_batch_size", "1", "--training.global_batch_size", "2"]
     full = predicted_peak(LONG + ["--activation_checkpoint.mode", "full"] + one)
-    usable = full["peak_gib"] * (1 + full["allocator_headroom"] / 2)
-    v = preflight(LONG + ["--estimate.reserved_gib", repr(full["gpu_memory_gib"] - usable),
-                          "--training.memory_fit", "adjust"])
+    v = preflight(LONG + tight_reserve(full) + ["--training.memory_fit", "adjust"])
     assert v["action"] == "stop"
     assert "does not fit even at local batch 1: " in v["line"] and "what could" not in v["line"], v["line"]
     assert v["line"].endswith("; no local batch is clear of the allocator's headroom with the accumulation that keeps "
@@ -470,28 +531,33 @@ def test_run_train_sh_refuses_a_run_predicted_not_to_fit(tmp_path):
     errors = [line for line in out.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0] in r.stderr.splitlines(), out[-3000:]
     assert re.fullmatch(r"error: llama/debug at local batch 16 needs a predicted \d\.\d\d GiB per GPU \(2 x NVIDIA H100 "
-                        r"80GB HBM3, ddp\), more than the 0\.14 GiB usable .*; local batch 8 x accumulation 2 fits "
-                        rf"\(\d\.\d\d GiB\) and keeps the global batch 32: NGPU=2 {ROOT}/run_train\.sh .* --training\."
-                        r"local_batch_size 8 --training\.global_batch_size 32", errors[0]), errors[0]
+                        r"80GB HBM3, ddp\), more than the 0\.14 GiB usable .*; with activation_checkpoint\.mode="
+                        r"selective, local batch 16 x accumulation 1 fits \(\d\.\d\d GiB\) and keeps the global batch 32, "
+                        r"predicted faster than local batch 8 x accumulation 2 without checkpointing: [\d,]+ against "
+                        rf"[\d,]+ tokens/s per GPU: NGPU=2 {ROOT}/run_train\.sh .* --activation_checkpoint\.mode selective "
+                        r"--training\.local_batch_size 16 --training\.global_batch_size 32", errors[0]), errors[0]
     assert "Traceback" not in out and "exitcode" not in out and "death signal" not in out
     assert job_processes(str(tmp_path)) == []
 
 
 def test_run_train_sh_adjust_starts_again_at_the_batch_that_fits(tmp_path):
     """training.memory_fit=adjust, the ranks out of memory before the prediction comes (planted at
-    step 1): the job starts again at local batch 8 x accumulation 2, the global batch kept, and says so."""
+    step 1): the job starts again with selective checkpointing at local batch 16 (predicted faster than
+    8 x accumulation 2 without), the global batch kept, and says so."""
     r = run_train(tmp_path, *TINY, "--training.seq_len", "256", "--training.local_batch_size", "16",
                   "--training.steps", "2", "--debug.inject_oom_step", "1", *SMALL_GPU, "--training.memory_fit",
                   "adjust", "--job.dump_folder", str(tmp_path / "out"), ngpu=2, env=fake_gpus(tmp_path))
     out = r.stdout + r.stderr
     assert r.returncode == 4, out[-3000:]  # the planted failure comes back in the second start
     (said,) = [line for line in r.stdout.splitlines() if "starting again" in line]
-    assert "starting again at local batch 8 x accumulation 2, the largest that fits" in said
-    assert "and keeps the global batch 32 (training.memory_fit=adjust" in said
+    assert "starting again with activation_checkpoint.mode=selective at local batch 16 x accumulation 1, the " \
+           "largest that fits" in said, said
+    assert " tokens/s per GPU (training.memory_fit=adjust" in said, said
     logs = sorted((tmp_path / "out").glob("run_*[0-9].json"))
     first, second = (json.loads(p.read_text())["startup_info"]["config"] for p in logs)
     assert (first["batch_size"], first["gradient_accumulation_steps"]) == (16, 1)
-    assert (second["batch_size"], second["gradient_accumulation_steps"], second["global_batch_size"]) == (8, 2, 32)
+    assert (second["batch_size"], second["gradient_accumulation_steps"], second["global_batch_size"]) == (16, 1, 32)
+    assert (first["activation_checkpoint.mode"], second["activation_checkpoint.mode"]) == ("none", "selective")
 
 
 # ------------------------------------------------------------------------------ a rank that dies

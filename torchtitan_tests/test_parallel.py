@@ -73,12 +73,22 @@ DIST_RUNS = {
                              "--parallelism.fsdp_gradient_transport", "reduce_dtype", "--training.global_batch_size", "8"]),
     "fsdp_bf16_accum2_transport": (2, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param",
                                        "bfloat16", "--training.global_batch_size", "8"]),
+    # every micro-step reduce-scatters into the shard (fsdp_accumulate=sharded): the same float32 sums, and with
+    # bf16 compute each micro-step's bf16 gradients cross in the transport's all-to-all; hsdp's replicas (2 x 1:
+    # no shard to scatter to) all-reduce once a step, the first micro-step's sums kept for it
+    "fsdp_accum2_sharded": (2, ["--parallelism.data_parallel", "fsdp", "--training.global_batch_size", "8",
+                                "--parallelism.fsdp_accumulate", "sharded"]),
+    "hsdp_2x1_accum2_sharded": (2, ["--parallelism.data_parallel", "hsdp", "--parallelism.replicate_degree", "2",
+                                    "--training.global_batch_size", "8", "--parallelism.fsdp_accumulate", "sharded"]),
+    "fsdp_bf16_accum2_sharded": (2, ["--parallelism.data_parallel", "fsdp", "--training.mixed_precision_param",
+                                     "bfloat16", "--training.global_batch_size", "8",
+                                     "--parallelism.fsdp_accumulate", "sharded"]),
     "ddp_bf16_reduce": (4, ["--parallelism.data_parallel", "ddp", "--parallelism.ddp_reduce_dtype", "bfloat16"]),
     "ddp_bf16_params": (4, ["--parallelism.data_parallel", "ddp", "--training.mixed_precision_param", "bfloat16"]),
 }
 # bf16 gradients or bf16 compute: close to the reference, not equal
 LOSSY = {"ddp_bf16_reduce", "ddp_bf16_params", "fsdp_bf16", "fsdp_bf16_transport", "hsdp_1x2_bf16_transport",
-         "fsdp_bf16_accum2", "fsdp_bf16_accum2_transport"}
+         "fsdp_bf16_accum2", "fsdp_bf16_accum2_transport", "fsdp_bf16_accum2_sharded"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
@@ -88,14 +98,22 @@ def _worker(rank: int, world: int, port: int, out_dir: str, runs: dict) -> None:
 
 def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
     all_to_all = dist.all_to_all_single
+    # FSDP's reduce-scatter: reduce_scatter_single from torch 2.13 on, reduce_scatter_tensor before
+    scatter_names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    reduce_scatters = {n: getattr(dist, n) for n in scatter_names}
     for name, (local, extra) in runs.items():
         t = Trainer(load_config(base_args(os.path.join(out_dir, name), local, *extra)))
         calls = []  # the all-to-alls the run made (fsdp_gradient_transport=bfloat16: one per FSDP group a step)
+        scatters = []  # and its reduce-scatters (FSDP's float32 one: one per FSDP group a reduce)
         dist.all_to_all_single = lambda *a, **k: (calls.append(1), all_to_all(*a, **k))[1]
+        for n, f in reduce_scatters.items():
+            setattr(dist, n, lambda *a, f=f, **k: (scatters.append(1), f(*a, **k))[1])
         try:
             t.train()
         finally:
             dist.all_to_all_single = all_to_all
+            for n, f in reduce_scatters.items():
+                setattr(dist, n, f)
         if rank == 0:
             params = list(t.model.parameters())
             full = sum(p.numel() for p in params)  # a DTensor shard counts as its whole tensor here
@@ -113,7 +131,7 @@ def _runs(rank: int, out_dir: str, runs: dict, results: dict) -> None:
                              "job_mesh": dict(zip(t.dims.mesh.mesh_dim_names, t.dims.mesh.shape)),
                              "dp": [t.dims.dp_size, t.dims.dp_rank],
                              "block_groups": block_groups(t.model),
-                             "all_to_all": len(calls),
+                             "all_to_all": len(calls), "reduce_scatter": len(scatters),
                              "wrapper_on_job_mesh": (t.model.process_group is t.dims.mesh.get_group("dp_replicate")
                                                      if hasattr(t.model, "process_group")
                                                      else params[0].device_mesh == t.dims.mesh)}
@@ -191,6 +209,13 @@ def test_data_parallel_modes_match_single_process(reference, tmp_path):
     assert accum_auto["losses"] == accum["losses"] and accum_auto["all_to_all"] == accum["all_to_all"] == 0
     assert accum["losses"] == pytest.approx(single, rel=2e-3)
     assert results["fsdp"]["all_to_all"] == 0  # float32 compute: float32 gradients, NCCL's reduce-scatter
+    # accumulated in the shard: each micro-step's bf16 gradients reduced as they come (twice the all-to-alls of a
+    # step of one micro-step), the losses those of the accumulation that reduces its float32 sums once
+    sharded = results["fsdp_bf16_accum2_sharded"]
+    assert sharded["all_to_all"] == 2 * 6 * STEPS and sharded["losses"] == pytest.approx(accum["losses"], rel=1e-4)
+    # float32: a reduce-scatter a group for each micro-step instead of each step (both match the reference above)
+    assert results["fsdp_accum2"]["reduce_scatter"] == 6 * STEPS
+    assert results["fsdp_accum2_sharded"]["reduce_scatter"] == 2 * 6 * STEPS
 
 
 def test_two_accumulated_micro_batches_give_the_larger_batchs_losses(reference, tmp_path):
@@ -769,6 +794,27 @@ def test_gradient_transport_takes_bf16_where_it_saves_bytes(setting, extra, devi
     cfg = load_config(["--parallelism.fsdp_gradient_transport", setting, *extra])
     use, reason = gradient_transport(parallel_settings(cfg), device, shard)
     assert use is (why == "bfloat16") and reason == why, reason
+
+
+def test_fsdp_accumulate_auto_shards_where_the_sums_are_large_beside_the_gpu_and_sharded_needs_shards():
+    """auto accumulates into the shard where the whole model's float32 sums would take more than 1/8 of the
+    GPU's memory (an 8B model's 30 GiB on any GPU; LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 on none); never
+    off CUDA; `sharded` with a mode that shards nothing is refused in one line."""
+    from titanlite.models import get_model_args
+    from titanlite.parallel.fsdp import ACCUMULATE_UNSHARDED_SHARE, accumulates_sharded
+
+    h100, h200 = int(79.19 * 2**30), int(139.81 * 2**30)
+    sums = {f: get_model_args(n, f).num_params() * 4 for n, f in (("llama", "1.36B"), ("qwen3", "1.8B"), ("llama", "8B"))}
+    assert [accumulates_sharded("auto", b, m) for b in sums.values() for m in (h100, h200)] == [False] * 4 + [True] * 2
+    assert accumulates_sharded("auto", 8 * 10**9, None) is False  # not on a GPU
+    limit = int(ACCUMULATE_UNSHARDED_SHARE * h200)
+    assert accumulates_sharded("auto", limit, h200) is False and accumulates_sharded("auto", limit + 1, h200) is True
+    assert [accumulates_sharded(s, 1, h200) for s in ("sharded", "unsharded")] == [True, False]
+    for mode in ("ddp", "zero1"):
+        with pytest.raises(ConfigError, match=rf"^parallelism\.fsdp_accumulate=sharded with parallelism\.data_parallel="
+                                              rf"{mode}: only fsdp and hsdp shard the gradients$"):
+            load_config(["--parallelism.data_parallel", mode, "--parallelism.fsdp_accumulate", "sharded"])
+    load_config(["--parallelism.data_parallel", "hsdp", "--parallelism.fsdp_accumulate", "sharded"])
 
 
 def test_gradient_transport_bfloat16_refuses_where_it_cannot(tmp_path):

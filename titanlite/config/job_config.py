@@ -152,6 +152,12 @@ class Parallelism:
                 "(a float32 reduction, as NCCL's, at half the bytes; a step of several micro-steps reduces its float32 "
                 "sums as reduce_dtype does); reduce_dtype = NCCL's reduce-scatter of float32 copies; auto = bfloat16 "
                 "where it applies, and says which")
+    fsdp_accumulate: Literal["auto", "unsharded", "sharded"] = doc(
+        "auto", "fsdp/hsdp with gradient accumulation: unsharded = the micro-steps before the last keep the whole "
+                "model's gradient sums (4 bytes a parameter in float32) and the last reduce-scatters them, one reduce a "
+                "step; sharded = every micro-step reduce-scatters into the shard, one reduce a micro-step (behind its "
+                "backward; hsdp's all-reduce across replicas still once a step); auto = sharded where the whole sums "
+                "would take more than 1/8 of the GPU's memory (8B models), else unsharded, and says which")
     fsdp_blocks_per_group: int = doc(
         0, "fsdp/hsdp: consecutive transformer blocks sharded as one FSDP group (one gather, one reduce-scatter and "
            "one set of hooks for them all), so the host spends less time launching a step and a busy host does "

@@ -316,6 +316,9 @@ def check_combination(cfg: JobConfig, world: int, ranks_per_host: int | None = N
     if cfg.parallelism.fsdp_copy_engine_all_gather == "on" and not MODES[cfg.parallelism.data_parallel].shards_params:
         raise ConfigError(f"parallelism.fsdp_copy_engine_all_gather=on with parallelism.data_parallel="
                           f"{cfg.parallelism.data_parallel}: only fsdp and hsdp gather parameters")
+    if cfg.parallelism.fsdp_accumulate == "sharded" and not MODES[cfg.parallelism.data_parallel].shards_params:
+        raise ConfigError(f"parallelism.fsdp_accumulate=sharded with parallelism.data_parallel="
+                          f"{cfg.parallelism.data_parallel}: only fsdp and hsdp shard the gradients")
     check_bf16_transport(cfg, "cuda")  # a GPU's compute here; check_launch knows whether there is one
 
 

@@ -24,7 +24,7 @@ from titanlite.hardware import lookup
 from titanlite.models.args import ModelArgs
 from titanlite.parallel.comm_model import (REFERENCE_GPU, CommCost, Link, calibrated_beside, calibrated_link,
                                           data_parallel_step, step_cost)
-from titanlite.parallel.fsdp import blocks_reshard
+from titanlite.parallel.fsdp import accumulates_sharded, blocks_reshard
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import bf16_gradients_refusal
 from titanlite.parallel.settings import DataParallelSettings, PrecisionSettings
@@ -62,16 +62,21 @@ def gradient_bytes(run: Run) -> float | None:
 
 def gradients_cross_bf16(run: Run) -> bool:
     """Did fsdp's bf16 gradients cross the link as they are (parallelism.fsdp_gradient_transport: titanlite's
-    fsdp and hsdp with bf16 compute, a float32 reduction and one micro-step a step)? False where the log
-    does not say."""
+    fsdp and hsdp with bf16 compute, a float32 reduction and one micro-step a step, or several that each
+    reduce into the shard: parallelism.fsdp_accumulate, by titanlite's rule for the GPU the log names)?
+    False where the log does not say."""
     c = run.config
     if c.get("parallelism.fsdp_gradient_transport") not in ("auto", "bfloat16") or c.get("data_parallel") not in MODES:
         return False
     dp = DataParallelSettings(**{f.name: c.get(f"parallelism.{f.name}") for f in fields(DataParallelSettings)})
     dp = replace(dp, data_parallel=c["data_parallel"])
     precision = PrecisionSettings(c.get("training.mixed_precision_param"), c.get("training.bf16_params"))
-    return (bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is None
-            and c.get("gradient_accumulation_steps", 1) == 1)
+    if bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is not None:
+        return False
+    hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
+    sums = (model_params(run) or 0) * 4  # the float32 sums an unsharded accumulation would keep
+    return c.get("gradient_accumulation_steps", 1) == 1 or accumulates_sharded(
+        c.get("parallelism.fsdp_accumulate") or "unsharded", sums, int(hw.memory_gib * 2**30) if hw else None)
 
 
 def collectives(run: Run, gbps: float, compute_ms: float | None = None) -> CommCost | None:

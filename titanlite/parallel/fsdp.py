@@ -45,6 +45,22 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
     return setting != "never"
 
 
+# fsdp_accumulate=auto: the micro-steps before a step's last keep the whole model's gradient sums where these take
+# at most this share of the GPU's memory (LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 GiB in float32 on an H100:
+# the layouts measured so far); above it (an 8B model's 30 GiB) they cost more batch than a reduce a micro-step
+ACCUMULATE_UNSHARDED_SHARE = 1 / 8
+
+
+def accumulates_sharded(setting: str, sums_bytes: int, device_memory: int | None) -> bool:
+    """parallelism.fsdp_accumulate: does every micro-step reduce-scatter its gradients into the shard? The
+    alternative keeps the whole model's sums (`sums_bytes`) on every rank until the step's last micro-step
+    (one reduce a step); `auto` does that where they are small beside the GPU's memory (`device_memory`,
+    None off CUDA: unsharded)."""
+    if setting == "auto":
+        return device_memory is not None and sums_bytes > ACCUMULATE_UNSHARDED_SHARE * device_memory
+    return setting == "sharded"
+
+
 # fsdp_blocks_per_group=0 (auto): FSDP's hooks (gather, copy-out, reduce-scatter, autograd hooks) cost the
 # host about the same time for every group whatever its size, so a group of blocks holds at least this many
 # parameters: enough GPU work to keep the host ahead of it, where fewer groups change nothing on the GPU
@@ -173,13 +189,21 @@ class OwnerSumReduceScatter(ReduceScatter or object):
 # the root module -> its FSDP groups' OwnerSumReduceScatter: written by set_gradient_transport, read by
 # set_gradient_sync, both here (FSDP's custom reduce-scatter is handed to each module and not readable back)
 _TRANSPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# root modules whose micro-steps reduce-scatter into the shard (accumulates_sharded), set by shard_model
+_SHARDED_ACCUMULATION: weakref.WeakSet = weakref.WeakSet()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """The sharded `model`'s gradient sync for the next micro-step (titanlite.parallel.grads.grad_sync):
     FSDP's own switch, on every FSDP module below the root, and its gradient transport's. A micro-step
     without a reduce (`enabled` False: gradient accumulation) leaves float32 sums for the step's reduce,
-    which its groups then carry as NCCL's float32 reduce-scatter (OwnerSumReduceScatter)."""
+    which its groups then carry as NCCL's float32 reduce-scatter (OwnerSumReduceScatter). Where the model
+    accumulates sharded, every micro-step reduce-scatters (its bf16 gradients, by the transport) and FSDP
+    adds the result into the shard's gradient; only hsdp's all-reduce across replicas waits for the last."""
+    if model in _SHARDED_ACCUMULATION:
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(enabled)
+        return
     model.set_requires_gradient_sync(enabled)
     if not enabled:
         for comm in _TRANSPORTS.get(model, ()):
@@ -228,7 +252,16 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         if settings.loss == "chunked":
             quiet_head_group(model.output)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
+    sums = sum(q.numel() for q in model.parameters()) * getattr(torch, dp.fsdp_reduce_dtype).itemsize
+    if accumulates_sharded(dp.fsdp_accumulate, sums, dims.device_memory):
+        _SHARDED_ACCUMULATION.add(model)
     set_gradient_transport(model, settings, dims, log)
+    if dp.fsdp_accumulate == "auto":
+        log(f"parallelism.fsdp_accumulate=auto: with accumulation, "
+            + ("every micro-step reduce-scatters into the shard" if model in _SHARDED_ACCUMULATION else
+               "the micro-steps keep the whole model's gradient sums until the last")
+            + f" ({sums / 2**30:.2f} GiB of sums"
+            + (f", {sums / dims.device_memory:.1%} of the GPU's memory)" if dims.device_memory else ", not on a GPU)"))
     return model
 
 
@@ -241,7 +274,8 @@ def set_gradient_transport(model: nn.Module, settings: ParallelSettings, dims: P
     if setting != "reduce_dtype":
         log(f"parallelism.fsdp_gradient_transport={setting}: {why}" + (
             " (the bf16 gradients cross the link in an all-to-all and each rank sums its shard's pieces in float32; "
-            "a step of several micro-steps reduces float32 sums, with NCCL's reduce-scatter)" if use else ""))
+            + ("each micro-step of a step with several the same way)" if model in _SHARDED_ACCUMULATION else
+               "a step of several micro-steps reduces float32 sums, with NCCL's reduce-scatter)") if use else ""))
     if not use:
         return
     comms = {}

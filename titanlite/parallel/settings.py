@@ -24,6 +24,7 @@ class DataParallelSettings:
     fsdp_reshard_after_forward: str   # "auto" | "default" | "always" | "never"
     fsdp_reduce_dtype: str            # "float32" | "bfloat16"
     fsdp_gradient_transport: str      # "auto" | "bfloat16" | "reduce_dtype"
+    fsdp_accumulate: str              # "auto" | "unsharded" | "sharded"
     fsdp_blocks_per_group: int        # consecutive blocks in one FSDP group
     fsdp_copy_engine_all_gather: str  # "auto" | "on" | "off"
 
