@@ -378,6 +378,34 @@ def test_more_checkpointing_where_its_larger_micro_batch_is_predicted_faster(mon
         "--activation_checkpoint.mode", "selective"]
 
 
+@pytest.mark.parametrize("full_batch, expected", [(4, "full"), (2, "selective")])
+def test_checkpointing_is_raised_level_by_level_while_a_larger_micro_batch_is_predicted_faster(
+        monkeypatch, full_batch, expected):
+    """Each level's search stubbed: none keeps the global batch 8 at 1 x 8, selective at 2 x 4, full at
+    `full_batch`, each predicted faster than the one before. Full is taken only where its batch is larger
+    than selective's (a batch as large, recomputing more, gains nothing), and the line compares the level
+    taken with the configured one."""
+    import estimation.preflight
+
+    levels = {"none": (1, 1000), "selective": (2, 1100), "full": (full_batch, 1300)}
+
+    def stub(cfg, progress=None):
+        b, rate = levels[cfg.activation_checkpoint.mode]
+        return {"memory": {"fits": False, "peak_gib": 99.0, "usable_gib": 50.0},
+                "batch_search": {"local_batch_for_global": b, "gradient_accumulation_steps": 8 // b,
+                                 "peak_gib_for_global": 40.0 + b, "tokens_per_sec_per_gpu_for_global": rate}}
+
+    monkeypatch.setattr(estimation.preflight, "estimate", stub)
+    v = preflight(DEBUG + ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                           "--training.memory_fit", "adjust"])
+    b, rate = levels[expected]
+    assert v["args"] == ["--activation_checkpoint.mode", expected, "--training.local_batch_size", str(b),
+                         "--training.global_batch_size", "8"], v
+    assert (f"starting again with activation_checkpoint.mode={expected} at local batch {b} x accumulation {8 // b}, "
+            f"the largest that fits ({40 + b:.2f} GiB) and keeps the global batch 8, predicted faster than local batch "
+            f"1 x accumulation 8 without checkpointing: {rate:,} against 1,000 tokens/s per GPU (") in v["line"], v["line"]
+
+
 def test_a_run_that_fits_no_batch_is_refused_with_what_could():
     v = preflight(DEBUG + ["--estimate.reserved_gib", "79.19"])
     assert v["action"] == "stop" and "does not fit even at local batch 1: its model state alone" in v["line"]

@@ -108,9 +108,10 @@ class Training:
                  "the predicted peak, the GPU's memory and the command that fits; adjust = start again at the "
                  "largest local batch that fits clear of the allocator's headroom and divides the global batch, "
                  "accumulation raised to keep it (where no batch fits, with activation checkpointing raised: "
-                 "selective, then full; a tight batch, one inside the headroom, starts again clear of it where "
-                 "that batch is at least half the configured one), said at start-up, one node; off = no "
-                 "prediction. See docs/estimation.md")
+                 "selective, then full; also where a stronger level's larger micro-batch is predicted faster; a "
+                 "tight batch, one inside the headroom, starts again clear of it where that batch, at the "
+                 "configured level or a stronger one, is at least half the configured one), said at start-up, one "
+                 "node; off = no prediction. See docs/estimation.md")
     gc_interval: int = doc(
         50, "steps between Python garbage collections (young objects only), made at the same step on every rank; "
             "Python's own collector is off while training. 0 = leave Python's collector on: its pauses land "
@@ -149,8 +150,8 @@ class Parallelism:
     fsdp_gradient_transport: Literal["auto", "bfloat16", "reduce_dtype"] = doc(
         "auto", "fsdp/hsdp with bf16 compute and a float32 fsdp_reduce_dtype: bfloat16 = the bf16 gradients cross "
                 "the link as computed, in one all-to-all, and each rank sums the pieces of its own shard in float32 "
-                "(a float32 reduction, as NCCL's, at half the bytes; a step of several micro-steps reduces its float32 "
-                "sums as reduce_dtype does); reduce_dtype = NCCL's reduce-scatter of float32 copies; auto = bfloat16 "
+                "(a float32 reduction, as NCCL's, at half the bytes; a step of several micro-steps that accumulates "
+                "unsharded reduces its float32 sums as reduce_dtype does); reduce_dtype = NCCL's reduce-scatter of float32 copies; auto = bfloat16 "
                 "where it applies, and says which")
     fsdp_accumulate: Literal["auto", "unsharded", "sharded"] = doc(
         "auto", "fsdp/hsdp with gradient accumulation: unsharded = the micro-steps before the last keep the whole "

@@ -52,31 +52,40 @@ def model_params(run: Run) -> int | None:
 
 
 def gradient_bytes(run: Run) -> float | None:
-    """Bytes of gradients a step reduces (None: the model's size is not known)."""
+    """Bytes of gradients a step reduces (None: the model's size is not known): once a step, or once a
+    micro-step where they accumulate into the shard."""
     params = model_params(run)
     if not params:
         return None
     bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))
-    return params * (2 if bf16 or gradients_cross_bf16(run) else 4)
+    reduces = run.config.get("gradient_accumulation_steps", 1) if accumulates_into_shards(run) else 1
+    return params * (2 if bf16 or gradients_cross_bf16(run) else 4) * reduces
+
+
+def accumulates_into_shards(run: Run) -> bool:
+    """Did the fsdp/hsdp run reduce every micro-step of its steps (parallelism.fsdp_accumulate, by titanlite's
+    rule for the GPU the log names)? False for one micro-step a step, or where the log does not say."""
+    c = run.config
+    if c.get("gradient_accumulation_steps", 1) == 1 or c.get("data_parallel") not in ("fsdp", "hsdp"):
+        return False
+    hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
+    sums = (model_params(run) or 0) * 4  # the float32 sums an unsharded accumulation would keep
+    return accumulates_sharded(c.get("parallelism.fsdp_accumulate") or "unsharded", sums,
+                               int(hw.memory_gib * 2**30) if hw else None)
 
 
 def gradients_cross_bf16(run: Run) -> bool:
     """Did fsdp's bf16 gradients cross the link as they are (parallelism.fsdp_gradient_transport: titanlite's
     fsdp and hsdp with bf16 compute, a float32 reduction and one micro-step a step, or several that each
-    reduce into the shard: parallelism.fsdp_accumulate, by titanlite's rule for the GPU the log names)?
-    False where the log does not say."""
+    reduce into the shard)? False where the log does not say."""
     c = run.config
     if c.get("parallelism.fsdp_gradient_transport") not in ("auto", "bfloat16") or c.get("data_parallel") not in MODES:
         return False
     dp = DataParallelSettings(**{f.name: c.get(f"parallelism.{f.name}") for f in fields(DataParallelSettings)})
     dp = replace(dp, data_parallel=c["data_parallel"])
     precision = PrecisionSettings(c.get("training.mixed_precision_param"), c.get("training.bf16_params"))
-    if bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is not None:
-        return False
-    hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
-    sums = (model_params(run) or 0) * 4  # the float32 sums an unsharded accumulation would keep
-    return c.get("gradient_accumulation_steps", 1) == 1 or accumulates_sharded(
-        c.get("parallelism.fsdp_accumulate") or "unsharded", sums, int(hw.memory_gib * 2**30) if hw else None)
+    return (bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is None
+            and (c.get("gradient_accumulation_steps", 1) == 1 or accumulates_into_shards(run)))
 
 
 def collectives(run: Run, gbps: float, compute_ms: float | None = None) -> CommCost | None:

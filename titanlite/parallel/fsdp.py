@@ -46,8 +46,8 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
 
 
 # fsdp_accumulate=auto: the micro-steps before a step's last keep the whole model's gradient sums where these take
-# at most this share of the GPU's memory (LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 GiB in float32 on an H100:
-# the layouts measured so far); above it (an 8B model's 30 GiB) they cost more batch than a reduce a micro-step
+# at most this share of the GPU's memory (LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 GiB in float32, on an H100
+# too: their measured layouts); above it (an 8B model's 30 GiB) they cost more batch than a reduce a micro-step
 ACCUMULATE_UNSHARDED_SHARE = 1 / 8
 
 
