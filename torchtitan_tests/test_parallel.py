@@ -798,7 +798,7 @@ def test_gradient_transport_takes_bf16_where_it_saves_bytes(setting, extra, devi
 
 def test_fsdp_accumulate_auto_shards_where_the_sums_are_large_beside_the_gpu_and_sharded_needs_shards():
     """auto accumulates into the shard where the whole model's float32 sums would take more than 1/8 of the
-    GPU's memory (an 8B model's 30 GiB on any GPU; LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 on none); never
+    GPU's memory (an 8B model's 30 GiB; LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 on neither an H100 nor an H200); never
     off CUDA; `sharded` with a mode that shards nothing is refused in one line."""
     from titanlite.models import get_model_args
     from titanlite.parallel.fsdp import ACCUMULATE_UNSHARDED_SHARE, accumulates_sharded

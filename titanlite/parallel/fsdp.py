@@ -46,8 +46,10 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
 
 
 # fsdp_accumulate=auto: the micro-steps before a step's last keep the whole model's gradient sums where these take
-# at most this share of the GPU's memory (LLaMA 1.36B's 4.8 GiB and Qwen3 1.8B's 6.8 GiB in float32, on an H100
-# too: their measured layouts); above it (an 8B model's 30 GiB) they cost more batch than a reduce a micro-step
+# at most this share of the GPU's memory. A reduce a micro-step instead cost LLaMA 1.36B and Qwen3 1.8B 1.7% at four
+# micro-steps on 2 x H200 to save 2.4 and 3.4 GiB (their sums: 4.8 and 6.8 GiB), LLaMA-3.1-8B 0.5% at two to save
+# 15 GiB (30 GiB of sums), which hold a larger micro-batch
+# (benchmarks/results/2026-11-29_2xh200_fsdp-accumulate-sharded-matrix.md)
 ACCUMULATE_UNSHARDED_SHARE = 1 / 8
 
 
