@@ -37,7 +37,8 @@ def log_of(report: dict) -> Run:
     return Run(path="", label=f"{c['ngpu']} GPUs", config=config,
                hardware={"name": c["device_name"], "device": "cuda"},
                model={"name": name, "flavor": flavor, "params": c["params"]}, world=c["ngpu"],
-               local_batch=c["local_batch_size"], accum=1, global_batch=c["global_batch_size"], seq_len=c["seq_len"],
+               local_batch=c["local_batch_size"], accum=c["gradient_accumulation_steps"],
+               global_batch=c["global_batch_size"], seq_len=c["seq_len"],
                entries=[{"iter": 10, "time_ms": 100.0}], excluded=0)
 
 
@@ -45,10 +46,15 @@ def log_of(report: dict) -> Run:
     ("ddp", 2, "h100", ()), ("ddp", 4, "h200", ()), ("ddp", 8, "b200", ()), ("zero1", 4, "h100", ()),
     ("fsdp", 2, "h100", ()), ("fsdp", 4, "h200", ()),
     ("fsdp", 4, "h100", ("--parallelism.fsdp_reshard_after_forward", "always")),
-    ("fsdp", 8, "a100", ("--parallelism.fsdp_gradient_transport", "reduce_dtype"))])
+    ("fsdp", 8, "a100", ("--parallelism.fsdp_gradient_transport", "reduce_dtype")),
+    # two micro-steps a step: the gathers twice, the reduce once, or twice where it accumulates into the shards
+    ("fsdp", 4, "h200", ("--training.global_batch_size", "16", "--parallelism.fsdp_accumulate", "unsharded")),
+    ("fsdp", 4, "h200", ("--training.global_batch_size", "16", "--parallelism.fsdp_accumulate", "sharded")),
+    ("ddp", 2, "h100", ("--training.global_batch_size", "8",))])
 def test_diagnose_expects_the_collective_time_estimation_gives(mode, world, gpu, extra):
     """All the collectives of a step, none hidden: the same ms from a log's settings as from the dry run's
-    recorded collectives, within what fsdp's shard padding and the gradient norm's scalar add (0.5%)."""
+    recorded collectives, within what fsdp's shard padding and the gradient norm's scalar add (0.5%); with
+    accumulation too (the fake run records each micro-step's)."""
     report = estimated(mode, world, gpu, *extra)
     run = log_of(report)
     assert link_gbps(run, None) == by_key(gpu).link_gbps
@@ -82,6 +88,11 @@ def test_each_modes_step_moves_its_bytes():
         assert sum(c.nbytes for c in fsdp if c.kind == "all_gather") == 2 * (n + (n - edge if again is None else again))
         assert sum(c.nbytes for c in fsdp if c.kind == "reduce_scatter") == 4 * n
     assert data_parallel_step("none", n, 4, 2, edge) == []
+    # three micro-steps: fsdp gathers for each; it reduces once, or for each where it accumulates into the shards
+    fsdp3 = data_parallel_step("fsdp", n, 4, 2, edge, micro_steps=3, reduces=3)
+    assert sum(c.nbytes for c in fsdp3 if c.kind == "all_gather") == 3 * 2 * (2 * n - edge)
+    assert sum(c.nbytes for c in fsdp3 if c.kind == "reduce_scatter") == 3 * 4 * n
+    assert data_parallel_step("ddp", n, 4, 2, edge, micro_steps=3) == ddp  # ddp reduces once, in the last
 
 
 def test_link_time_and_overlap():

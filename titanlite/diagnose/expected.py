@@ -52,22 +52,23 @@ def model_params(run: Run) -> int | None:
 
 
 def gradient_bytes(run: Run) -> float | None:
-    """Bytes of gradients a step reduces (None: the model's size is not known): once a step, or once a
-    micro-step where they accumulate into the shard."""
+    """Bytes of gradients one reduce carries (None: the model's size is not known)."""
     params = model_params(run)
     if not params:
         return None
     bf16 = "bfloat16" in (run.config.get("parallelism.fsdp_reduce_dtype"), run.config.get("parallelism.ddp_reduce_dtype"))
-    reduces = run.config.get("gradient_accumulation_steps", 1) if accumulates_into_shards(run) else 1
-    return params * (2 if bf16 or gradients_cross_bf16(run) else 4) * reduces
+    return params * (2 if bf16 or gradients_cross_bf16(run) else 4)
 
 
 def accumulates_into_shards(run: Run) -> bool:
-    """Did the fsdp/hsdp run reduce every micro-step of its steps (parallelism.fsdp_accumulate, by titanlite's
-    rule for the GPU the log names)? False for one micro-step a step, or where the log does not say."""
+    """Did the fsdp/hsdp run reduce every micro-step of its steps? titanlite's by parallelism.fsdp_accumulate
+    (its rule for the GPU the log names); another trainer's, as FSDP does unless told otherwise. False for
+    one micro-step a step."""
     c = run.config
-    if c.get("gradient_accumulation_steps", 1) == 1 or c.get("data_parallel") not in ("fsdp", "hsdp"):
+    if run.accum == 1 or c.get("data_parallel") not in ("fsdp", "hsdp"):
         return False
+    if run.source != "titanlite":
+        return True
     hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
     sums = (model_params(run) or 0) * 4  # the float32 sums an unsharded accumulation would keep
     return accumulates_sharded(c.get("parallelism.fsdp_accumulate") or "unsharded", sums,
@@ -85,7 +86,7 @@ def gradients_cross_bf16(run: Run) -> bool:
     dp = replace(dp, data_parallel=c["data_parallel"])
     precision = PrecisionSettings(c.get("training.mixed_precision_param"), c.get("training.bf16_params"))
     return (bf16_gradients_refusal(dp, precision, run.hardware.get("device", "cpu")) is None
-            and (c.get("gradient_accumulation_steps", 1) == 1 or accumulates_into_shards(run)))
+            and (run.accum == 1 or accumulates_into_shards(run)))
 
 
 def collectives(run: Run, gbps: float, compute_ms: float | None = None) -> CommCost | None:
@@ -107,7 +108,8 @@ def collectives(run: Run, gbps: float, compute_ms: float | None = None) -> CommC
     # the input embedding's gradients are ready last (ddp's last bucket, fsdp's root): nothing hides them
     edge = args.vocab_size * args.dim if args is not None else 0
     steps = data_parallel_step(mode, params, int(gradient_bytes(run) // params), 2 if bf16 else 4, edge,
-                               regathered(run, params, args, 2 if bf16 else 4))
+                               regathered(run, params, args, 2 if bf16 else 4), micro_steps=run.accum,
+                               reduces=run.accum if accumulates_into_shards(run) else 1)
     if run.device == "cuda":
         gpu = hw.key if (hw := lookup(str(run.hardware.get("name") or ""))) else REFERENCE_GPU
         link, beside = calibrated_link(gbps, gpu), calibrated_beside(gpu)

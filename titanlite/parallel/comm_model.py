@@ -160,14 +160,17 @@ class StepCollective:
 
 
 def data_parallel_step(mode: str, params: int, grad_bytes: int, gather_bytes: int, edge_params: int,
-                       regathered: int | None = None) -> list[StepCollective]:
+                       regathered: int | None = None, micro_steps: int = 1, reduces: int = 1) -> list[StepCollective]:
     """The collectives one optimizer step of `mode` issues, for `params` parameters whose gradients cross
     in `grad_bytes` per element and whose gathered copies in `gather_bytes`. `edge_params`: the
     parameters of the collective at each edge (ddp: the bucket reduced last, which holds the input
     embedding, ready last; fsdp: the root's, gathered first and reduced last). `regathered`: the
     parameters fsdp gathers again for backward, those of the groups resharded after forward (default:
-    all but the root's). hsdp is priced as fsdp over all its ranks: the split into shard groups and
-    their replicas' all-reduce, which estimation's fake run records, is not modelled here."""
+    all but the root's). A step of `micro_steps` gathers for each of them and reduces `reduces` times
+    (fsdp: once, or once a micro-step where they accumulate into the shards; ddp reduces once, in the
+    last), each collective priced as one of their summed bytes. hsdp is priced as fsdp over all its
+    ranks: the split into shard groups and their replicas' all-reduce, which estimation's fake run
+    records, is not modelled here."""
     traits = MODES[mode]
     if traits.comm == "none":
         return []
@@ -178,10 +181,10 @@ def data_parallel_step(mode: str, params: int, grad_bytes: int, gather_bytes: in
             out.append(StepCollective("broadcast", params * 4, True, optimizer=True))
         return out
     again = params - edge_params if regathered is None else regathered
-    return [StepCollective("all_gather", edge_params * gather_bytes, True),
-            StepCollective("all_gather", (params - edge_params + again) * gather_bytes, False),
-            StepCollective("reduce_scatter", (params - edge_params) * grad_bytes, False),
-            StepCollective("reduce_scatter", edge_params * grad_bytes, True)]
+    return [StepCollective("all_gather", micro_steps * edge_params * gather_bytes, True),
+            StepCollective("all_gather", micro_steps * (params - edge_params + again) * gather_bytes, False),
+            StepCollective("reduce_scatter", reduces * (params - edge_params) * grad_bytes, False),
+            StepCollective("reduce_scatter", reduces * edge_params * grad_bytes, True)]
 
 
 @dataclass(frozen=True)
