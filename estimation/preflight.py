@@ -117,10 +117,10 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
         if restarts:
             # adjust: clear of it, at no less than half the micro-batch (a tight batch may run; many more, smaller
             # micro-steps surely cost: at LLaMA 1.36B local 43 would start again at 1 x accumulation 43)
-            search = report["batch_search"]
-            if not local / 2 <= (search.get("local_batch_for_global") or 0) < local:
+            search, half = report["batch_search"], -(-local // 2)
+            if not half <= (search.get("local_batch_for_global") or 0) < local:
                 search = {}
-            search, ac, said = faster_with_more_checkpointing(search, least=-(-local // 2))
+            search, ac, said = faster_with_more_checkpointing(search, least=half)
             if search.get("local_batch_for_global"):
                 with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
                 said = f"; {said}" if said else ""

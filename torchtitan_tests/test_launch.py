@@ -220,6 +220,16 @@ def tight_reserve(m: dict) -> list[str]:
     return ["--estimate.reserved_gib", repr(m["gpu_memory_gib"] - m["peak_gib"] * (1 + m["allocator_headroom"] / 2))]
 
 
+def restarted(argv: list[str]) -> tuple[dict, dict]:
+    """adjust's verdict on `argv`, a restart, and the memory report of the run it starts: that run's own
+    prediction fits, clear of the allocator's headroom."""
+    v = preflight(argv + ["--training.memory_fit", "adjust"])
+    assert v["action"] == "restart", v
+    again = predicted_peak(argv + v["args"])
+    assert again["fits"] and not again["tight"], again
+    return v, again
+
+
 def predicted_peak(argv: list[str]) -> dict:
     from estimation.estimate import estimate
 
@@ -274,11 +284,8 @@ def test_the_batch_for_the_global_batch_fits_with_its_accumulation(configured_ch
     clear = (alone["peak_gib"] + accumulating["peak_gib"]) / 2  # the search's budget: usable / (1 + headroom)
     usable = clear * (1 + accumulating["allocator_headroom"])
     reserve = ["--estimate.reserved_gib", repr(accumulating["gpu_memory_gib"] - usable)]
-    v = preflight(DEBUG + reserve + ["--training.memory_fit", "adjust"])
-    assert v["action"] == "restart"
+    v, four = restarted(DEBUG + reserve)
     assert v["args"] == ["--training.local_batch_size", "4", "--training.global_batch_size", "16"]
-    four = predicted_peak(DEBUG + reserve + v["args"])
-    assert four["fits"] and not four["tight"]
     assert re.search(rf"; starting again at local batch 4 x accumulation 4, the largest that fits "
                      rf"\({four['peak_gib']:.2f} GiB\) and keeps the global batch 16 \(", v["line"]), v["line"]
 
@@ -305,11 +312,8 @@ def test_a_tight_run_is_warned_under_check_and_started_again_clear_of_the_headro
     assert v["action"] == "warn" and v["line"].startswith("warning: memory check: llama/debug at local batch 16 ")
     assert v["line"].endswith(", inside the allocator's 2% headroom: the steps may slow while it releases its "
                               "cache, or run out of memory")
-    v = preflight(tight + ["--training.memory_fit", "adjust"])
-    assert v["action"] == "restart"
+    v, again = restarted(tight)
     assert v["args"] == ["--training.local_batch_size", "8", "--training.global_batch_size", "16"]
-    again = predicted_peak(tight + v["args"])
-    assert again["fits"] and not again["tight"]
     assert re.search(rf"inside the allocator's 2% headroom; starting again at local batch 8 x accumulation 2, the "
                      rf"largest clear of it that keeps the global batch 16 \({again['peak_gib']:.2f} GiB; "
                      rf"training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
@@ -331,14 +335,9 @@ def test_a_tight_run_is_started_again_with_more_checkpointing_where_that_holds_h
     selective checkpointing holds 17 itself clear, so adjust starts again with it (a larger micro-batch
     than the configured level's, which is not asked to be predicted faster than it)."""
     d17 = DEBUG + ["--training.local_batch_size", "17"]
-    m = predicted_peak(d17)
-    reserve = tight_reserve(m)
-    v = preflight(d17 + reserve + ["--training.memory_fit", "adjust"])
-    assert v["action"] == "restart", v
+    v, again = restarted(d17 + tight_reserve(predicted_peak(d17)))
     assert v["args"] == ["--activation_checkpoint.mode", "selective", "--training.local_batch_size", "17",
                          "--training.global_batch_size", "17"]
-    again = predicted_peak(d17 + reserve + v["args"])
-    assert again["fits"] and not again["tight"]
     assert re.search(rf"headroom; starting again with activation_checkpoint\.mode=selective at local batch 17 x "
                      rf"accumulation 1, the largest clear of it that keeps the global batch 17 \({again['peak_gib']:.2f} "
                      rf"GiB; training\.memory_fit=adjust, \d+ s\)$", v["line"]), v["line"]
@@ -428,13 +427,9 @@ def long_gpu() -> list[str]:
 def test_adjust_raises_activation_checkpointing_where_no_batch_keeps_the_global_batch():
     """adjust starts again with the first stronger checkpointing at which a batch keeping the global batch
     fits (the same model trained: recomputation), and says why and what; that run's own prediction fits."""
-    reserve = long_gpu()
-    v = preflight(LONG + reserve + ["--training.memory_fit", "adjust"])
-    assert v["action"] == "restart"
+    v, again = restarted(LONG + long_gpu())
     assert v["args"] == ["--activation_checkpoint.mode", "full", "--training.local_batch_size", "2",
                          "--training.global_batch_size", "2"]
-    again = predicted_peak(LONG + reserve + v["args"])
-    assert again["fits"] and not again["tight"]
     assert re.fullmatch(rf"memory check: llama/debug \(1 x h100\) does not fit even at local batch 1: peak "
                         rf"[\d.]+ GiB > [\d.]+ GiB usable of 79\.19 GiB; starting again with "
                         rf"activation_checkpoint\.mode=full at local batch 2 x accumulation 1, the largest that fits "

@@ -24,7 +24,7 @@ from titanlite.hardware import lookup
 from titanlite.models.args import ModelArgs
 from titanlite.parallel.comm_model import (REFERENCE_GPU, CommCost, Link, calibrated_beside, calibrated_link,
                                           data_parallel_step, step_cost)
-from titanlite.parallel.fsdp import accumulates_sharded, blocks_reshard
+from titanlite.parallel.fsdp import accumulates_sharded, accumulation_sums_bytes, blocks_reshard
 from titanlite.parallel.modes import MODES
 from titanlite.parallel.policy import bf16_gradients_refusal
 from titanlite.parallel.settings import DataParallelSettings, PrecisionSettings
@@ -69,10 +69,15 @@ def accumulates_into_shards(run: Run) -> bool:
         return False
     if run.source != "titanlite":
         return True
+    sums = accumulation_sums_bytes(model_params(run) or 0, c.get("parallelism.fsdp_reduce_dtype") or "float32")
+    return accumulates_sharded(c.get("parallelism.fsdp_accumulate") or "unsharded", sums, gpu_memory(run))
+
+
+def gpu_memory(run: Run) -> int | None:
+    """The bytes of the GPU the log names (None: a CPU run, or a GPU titanlite/hardware.py does not list), for
+    titanlite's rules that weigh memory."""
     hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
-    sums = (model_params(run) or 0) * 4  # the float32 sums an unsharded accumulation would keep
-    return accumulates_sharded(c.get("parallelism.fsdp_accumulate") or "unsharded", sums,
-                               int(hw.memory_gib * 2**30) if hw else None)
+    return int(hw.memory_gib * 2**30) if hw else None
 
 
 def gradients_cross_bf16(run: Run) -> bool:
@@ -127,9 +132,7 @@ def regathered(run: Run, params: int, args: ModelArgs | None, gather_bytes: int)
         return None
     blocks = params - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) - args.dim  # less the final norm
     setting = run.config.get("parallelism.fsdp_reshard_after_forward") or "default"
-    hw = lookup(str(run.hardware.get("name") or "")) if run.device == "cuda" else None
-    memory = int(hw.memory_gib * 2**30) if hw else None
-    again = blocks if blocks_reshard(setting, blocks * gather_bytes, memory) else 0
+    again = blocks if blocks_reshard(setting, blocks * gather_bytes, gpu_memory(run)) else 0
     return again + (params - blocks if setting == "always" else 0)
 
 

@@ -53,6 +53,12 @@ def blocks_reshard(setting: str, gathered_bytes: int, device_memory: int | None)
 ACCUMULATE_UNSHARDED_SHARE = 1 / 8
 
 
+def accumulation_sums_bytes(params: int, reduce_dtype: str) -> int:
+    """The whole model's gradient sums an unsharded accumulation keeps: one parallelism.fsdp_reduce_dtype element
+    a parameter."""
+    return params * getattr(torch, reduce_dtype).itemsize
+
+
 def accumulates_sharded(setting: str, sums_bytes: int, device_memory: int | None) -> bool:
     """parallelism.fsdp_accumulate: does every micro-step reduce-scatter its gradients into the shard? The
     alternative keeps the whole model's sums (`sums_bytes`) on every rank until the step's last micro-step
@@ -254,7 +260,7 @@ def shard_model(model: nn.Module, settings: ParallelSettings, dims: ParallelDims
         if settings.loss == "chunked":
             quiet_head_group(model.output)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root_reshard)
-    sums = sum(q.numel() for q in model.parameters()) * getattr(torch, dp.fsdp_reduce_dtype).itemsize
+    sums = accumulation_sums_bytes(sum(q.numel() for q in model.parameters()), dp.fsdp_reduce_dtype)
     if accumulates_sharded(dp.fsdp_accumulate, sums, dims.device_memory):
         _SHARDED_ACCUMULATION.add(model)
     set_gradient_transport(model, settings, dims, log)
