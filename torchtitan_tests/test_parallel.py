@@ -664,26 +664,25 @@ def test_copy_engine_all_gather_refuses_what_cannot_use_it(tmp_path):
 H100 = ("NVIDIA H100 80GB HBM3", 450.0)
 
 
-@pytest.mark.parametrize("setting,refusal,float8,shard,per_host,gpu,why", [
-    ("auto", None, False, 8, 8, H100, "on"),                 # one 8-GPU node
-    ("auto", None, False, 2, 8, H100, "on"),                 # hsdp: shards of 2 inside each node
-    ("auto", None, False, 8, 8, ("NVIDIA B200", 900.0), "on"),
-    ("auto", None, False, 16, 8, H100, "off: a gather group of 16 ranks spans hosts of 8"),  # fsdp over two nodes
-    ("auto", None, False, 3, 4, H100, "off: a gather group of 3 ranks spans hosts of 4"),
-    ("auto", None, False, 1, 8, H100, "off: a gather group of one rank gathers nothing"),    # hsdp, shard_degree 1
-    ("auto", None, False, 8, None, H100, "off: the launcher does not say how many ranks share a host"),
-    ("auto", None, True, 8, 8, H100, "off: float8's gathers have not been measured"),
-    ("auto", None, False, 4, 4, ("NVIDIA H100 PCIe", 64.0), "off: NVIDIA H100 PCIe links at 64 GB/s"),
-    ("auto", None, False, 4, 4, ("NVIDIA RTX 9000", None), "off: NVIDIA RTX 9000 is not in titanlite.hardware"),
-    ("auto", "needs CUDA GPUs and NCCL, not cpu with gloo", False, 2, 2, ("cpu", None),
+@pytest.mark.parametrize("setting,refusal,shard,per_host,gpu,why", [
+    ("auto", None, 8, 8, H100, "on"),                 # one 8-GPU node
+    ("auto", None, 2, 8, H100, "on"),                 # hsdp: shards of 2 inside each node
+    ("auto", None, 8, 8, ("NVIDIA B200", 900.0), "on"),
+    ("auto", None, 16, 8, H100, "off: a gather group of 16 ranks spans hosts of 8"),  # fsdp over two nodes
+    ("auto", None, 3, 4, H100, "off: a gather group of 3 ranks spans hosts of 4"),
+    ("auto", None, 1, 8, H100, "off: a gather group of one rank gathers nothing"),    # hsdp, shard_degree 1
+    ("auto", None, 8, None, H100, "off: the launcher does not say how many ranks share a host"),
+    ("auto", None, 4, 4, ("NVIDIA H100 PCIe", 64.0), "off: NVIDIA H100 PCIe links at 64 GB/s"),
+    ("auto", None, 4, 4, ("NVIDIA RTX 9000", None), "off: NVIDIA RTX 9000 is not in titanlite.hardware"),
+    ("auto", "needs CUDA GPUs and NCCL, not cpu with gloo", 2, 2, ("cpu", None),
      "off: it needs CUDA GPUs and NCCL, not cpu with gloo"),
-    ("on", None, True, 16, 8, ("NVIDIA H100 PCIe", 64.0), "on"),      # asked for: taken as asked
-    ("off", None, False, 8, 8, H100, "off"),
+    ("on", None, 16, 8, ("NVIDIA H100 PCIe", 64.0), "on"),      # asked for: taken as asked
+    ("off", None, 8, 8, H100, "off"),
 ])
-def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, float8, shard, per_host, gpu, why):
+def test_copy_engine_auto_takes_the_gathers_that_qualify(setting, refusal, shard, per_host, gpu, why):
     from titanlite.parallel.copy_engine import copy_engine_decision
 
-    got, reason = copy_engine_decision(setting, refusal, float8, shard, per_host, *gpu)
+    got, reason = copy_engine_decision(setting, refusal, shard, per_host, *gpu)
     assert got is (why == "on") and reason.startswith(why), reason
 
 
@@ -694,8 +693,8 @@ def test_copy_engine_on_refuses_where_it_cannot():
     old = nccl_refusal((2, 27, 3))
     assert old == "needs NCCL 2.28 or newer for copy-engine collectives; this torch runs 2.27.3"
     with pytest.raises(ConfigError, match=r"^parallelism\.fsdp_copy_engine_all_gather=on needs NCCL 2\.28"):
-        copy_engine_decision("on", old, False, 2, 2, *H100)
-    assert copy_engine_decision("auto", old, False, 2, 2, *H100) == (False, "off: it " + old)
+        copy_engine_decision("on", old, 2, 2, *H100)
+    assert copy_engine_decision("auto", old, 2, 2, *H100) == (False, "off: it " + old)
 
 
 def test_coordinate_descent_tuning_reaches_inductor(tmp_path, monkeypatch):

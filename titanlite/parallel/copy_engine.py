@@ -58,14 +58,14 @@ def nccl_refusal(version: tuple) -> str | None:
 COPY_ENGINE_MIN_LINK_GBPS = 400.0
 
 
-def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard: int, ranks_per_host: int | None,
+def copy_engine_decision(setting: str, refusal: str | None, shard: int, ranks_per_host: int | None,
                          gpu: str, link_gbps: float | None) -> tuple[bool, str]:
     """parallelism.fsdp_copy_engine_all_gather: do the gathers run on the copy engines, and why (one phrase).
     `refusal`: copy_engine_refusal's answer; `shard`: ranks in a gather group; `ranks_per_host`: torchrun's
     LOCAL_WORLD_SIZE (None: unknown); `gpu`, `link_gbps`: the device's name and its link in titanlite.hardware's table
     (None: not in it). `on` raises ConfigError where it cannot; `auto` is on where every gather group is
-    inside one host on an NVSwitch fabric (NCCL's copy-engine path runs over NVLink) and float8 is off
-    (float8's gathers were never measured there)."""
+    inside one host on an NVSwitch fabric (NCCL's copy-engine path runs over NVLink), with float8's gathers
+    as with bf16's (float8 fsdp on 2 x H200: LLaMA-3.1-8B 1.2% faster, LLaMA 1.36B 0.4%)."""
     if setting == "off":
         return False, "off"
     if setting == "on":
@@ -84,8 +84,6 @@ def copy_engine_decision(setting: str, refusal: str | None, float8: bool, shard:
         known = "is not in titanlite.hardware's table" if link_gbps is None else f"links at {link_gbps:g} GB/s"
         return False, (f"off: {gpu} {known}; auto takes the copy engines on NVSwitch nodes of at least "
                        f"{COPY_ENGINE_MIN_LINK_GBPS:g} GB/s (set it on to try)")
-    if float8:
-        return False, "off: float8's gathers have not been measured on the copy engines"
     return True, "on"
 
 
@@ -98,7 +96,7 @@ def gathers_on_copy_engines(model: nn.Module, settings: ParallelSettings, dims: 
         return
     gpu = torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else dims.device.type
     hw = lookup(gpu)
-    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), settings.float8.enable, dims.size("dp_shard"),
+    use, why = copy_engine_decision(setting, copy_engine_refusal(dims), dims.size("dp_shard"),
                                     dims.ranks_per_host, gpu, hw.link_gbps if hw else None)
     if setting == "auto" and dims.dp_group is not None:
         # over every rank of the mesh (dp_group spans all its dimensions): each builds every gather group
