@@ -21,7 +21,8 @@ A row passes when it trains with finite losses whose last is below its first and
 (torch.cuda.max_memory_allocated, the run log's) is within 5% of `python -m estimation`'s prediction
 for the same options (made on the CPU beforehand: --predict), or, for a row the configuration check
 refuses, when run_train.sh refuses it with that one line and exit code 2. Rows run side by side on
-free GPUs, all sharing one Inductor cache.
+free GPUs, two on each GPU at once (--slots; a row's peak is its own process's, and speed is not what
+a row checks), all sharing one Inductor cache.
 Results: --out/gpu_matrix.md (the table) and gpu_matrix.json (every run).
 """
 
@@ -280,7 +281,7 @@ def table(results: list[dict], commit: str, wall: float, device: str) -> str:
 
 
 def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[str], host_gpus: int | None = None,
-        timeout: float = ROW_TIMEOUT) -> int:
+        timeout: float = ROW_TIMEOUT, slots: int = 1) -> int:
     import subprocess
 
     rows = design(ngpus)
@@ -294,10 +295,12 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
                             text=True).stdout.strip() or "unknown"
     names = launch.gpu_names()
     device = f"{len(names)} x {names[0]}" if names else "no GPU"
-    gpus, t0 = Gpus(list(range(host_gpus or ngpus))), time.time()
+    # a row's peak is its own process's allocator's, so rows may share a GPU: their start-up and compile,
+    # most of a row's time, then overlap
+    gpus, t0 = Gpus(list(range(host_gpus or ngpus)) * slots), time.time()
     # the widest rows first, so that one-GPU rows fill the gaps beside them
     order = sorted(rows, key=lambda r: (r["expect"] != "train", r["mode"] == "one", not r["compile"]))
-    with futures.ThreadPoolExecutor(max(ngpus, 1) + 2) as pool:
+    with futures.ThreadPoolExecutor((host_gpus or ngpus) * slots + 2) as pool:
         jobs = [pool.submit(lambda r: note(out, "gpu_matrix", run_row(r, ngpus, gpus, data, pred["predictions"].get(
             key(r, ngpus, hw)) if hw else None, timeout)), r) for r in order]
         results = [j.result() for j in jobs]
@@ -401,13 +404,14 @@ def main() -> int:
     p.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT, help="seconds a row (of the matrix or the sweep) may run")
     p.add_argument("--float8-sweep", action="store_true",
                    help="fsdp/hsdp x float8 in every compile/AC/accumulation combination against bf16 (50 steps)")
-    p.add_argument("--slots", type=int, default=2, help="--float8-sweep: rows sharing a GPU at once")
+    p.add_argument("--slots", type=int, default=2, help="rows sharing a GPU at once (each row's memory is its own "
+                                                        "process's; its speed is not what a row checks)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     a = p.parse_args()
     if a.ngpus < 2:
         p.error("--ngpus must be at least 2: the multi-GPU modes are half the design")
-    if (a.host_gpus is not None and a.host_gpus < 1) or a.row_timeout <= 0:
-        p.error("--host-gpus must be at least 1 and --row-timeout positive")
+    if (a.host_gpus is not None and a.host_gpus < 1) or a.row_timeout <= 0 or a.slots < 1:
+        p.error("--host-gpus and --slots must be at least 1 and --row-timeout positive")
     if a.design:
         for r in design(a.ngpus):
             print(f"{label(r):70s} {r['expect']}" + (f"  ({r['why']})" if r["why"] else ""))
@@ -418,7 +422,8 @@ def main() -> int:
         predict(a.ngpus, a.hardware, a.out if a.out.suffix == ".json" else a.out / "gpu_matrix_predictions.json",
                 a.workers, [o for o in a.only.split(",") if o])
         return 0
-    return run(a.ngpus, a.predictions, a.data, a.out, [o for o in a.only.split(",") if o], a.host_gpus, a.row_timeout)
+    return run(a.ngpus, a.predictions, a.data, a.out, [o for o in a.only.split(",") if o], a.host_gpus, a.row_timeout,
+               a.slots)
 
 
 if __name__ == "__main__":

@@ -1061,12 +1061,22 @@ def test_gemm_ceiling_lays_float8_operands_out_as_scaled_mm_takes_them():
         assert tuple((a @ b).shape) == (m, n)
 
 
-@pytest.mark.parametrize("bad", [["--host-gpus", "0"], ["--row-timeout", "0"]])
+@pytest.mark.parametrize("bad", [["--host-gpus", "0"], ["--row-timeout", "0"], ["--slots", "0"]])
 def test_gpu_matrix_refuses_a_host_of_no_gpus_and_a_row_without_time(bad):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_matrix.py"), "--ngpus", "2", *bad, "--design"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
-        "--host-gpus must be at least 1 and --row-timeout positive")
+        "--host-gpus and --slots must be at least 1 and --row-timeout positive")
+
+
+def test_gpu_matrix_rows_share_gpus_by_slots_each_row_on_distinct_gpus():
+    import gpu_matrix
+
+    gpus = gpu_matrix.Gpus([0, 1] * 2)  # two slots on a host of two
+    first, second = gpus.take(2), gpus.take(2)  # two two-GPU rows at once, neither waits
+    assert first == second == [0, 1] and gpus.count == 2
+    gpus.give(first)
+    assert gpus.take(1) == [0] and gpus.take(1) == [1]  # the slots given back serve one-GPU rows
 
 
 # -------------------------------------------------------------------------- float8_blocks.py
