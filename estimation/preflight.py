@@ -58,6 +58,10 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
     configured_ac = cfg.activation_checkpoint.mode
     restarts = cfg.training.memory_fit == "adjust" and nodes == 1
 
+    def with_level(ac: str | None, after: str = " ") -> str:
+        """The checkpointing a line names before a batch: `ac` where it was raised, nothing where not."""
+        return f"with activation_checkpoint.mode={ac}{after}" if ac else ""
+
     def batch(search: dict) -> tuple[str, list[str]]:
         """The batch a search found that keeps the global batch: as the lines say it, and as options."""
         fit = search["local_batch_for_global"]
@@ -98,7 +102,7 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
             search, ac = up, stronger
         base, level = first
         if ac and ac != level and base.get("tokens_per_sec_per_gpu_for_global"):
-            less = "without checkpointing" if level == "none" else f"with activation_checkpoint.mode={level}"
+            less = "without checkpointing" if level == "none" else with_level(level, "")
             said = (f"predicted faster than {batch(base)[0]} {less}: {search['tokens_per_sec_per_gpu_for_global']:,} "
                     f"against {base['tokens_per_sec_per_gpu_for_global']:,} tokens/s per GPU")
         return search, ac, said
@@ -122,12 +126,11 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
                 search = {}
             search, ac, said = faster_with_more_checkpointing(search, least=half)
             if search.get("local_batch_for_global"):
-                with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
                 said = f"; {said}" if said else ""
                 return {"action": "restart", "args": (["--activation_checkpoint.mode", ac] if ac else [])
                         + batch(search)[1],
-                        "line": f"{head}, {inside}; starting again {with_ac}at {batch(search)[0]}, the largest clear "
-                                f"of it that keeps the global batch {global_batch} "
+                        "line": f"{head}, {inside}; starting again {with_level(ac)}at {batch(search)[0]}, the "
+                                f"largest clear of it that keeps the global batch {global_batch} "
                                 f"({search['peak_gib_for_global']:.2f} GiB{said}; training.memory_fit=adjust, "
                                 f"{time.perf_counter() - t0:.0f} s)"}
         return {"action": "warn", "line": f"warning: {head} ({time.perf_counter() - t0:.0f} s), {inside}: the steps "
@@ -168,13 +171,11 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
             + (f", {said}" if said else ""))
     took = f"{time.perf_counter() - t0:.0f} s"
     if restarts:
-        with_ac = f"with activation_checkpoint.mode={ac} " if ac else ""
         return {"action": "restart", "args": args,
-                "line": f"memory check: {why}; starting again {with_ac}at {said_batch}, the largest that {fits} "
+                "line": f"memory check: {why}; starting again {with_level(ac)}at {said_batch}, the largest that {fits} "
                         f"(training.memory_fit=adjust, {took})"}
     keys = BATCH_KEYS + (("activation_checkpoint.mode",) if ac else ())
-    with_ac = f"with activation_checkpoint.mode={ac}, " if ac else ""
-    return {"action": "stop", "line": f"error: {why}; {with_ac}{said_batch} {fits}: {command} "
+    return {"action": "stop", "line": f"error: {why}; {with_level(ac, ', ')}{said_batch} {fits}: {command} "
                                       f"{shlex.join([*without(argv, keys), *args])}"}
 
 
