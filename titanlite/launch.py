@@ -272,6 +272,17 @@ class Ranks:
         handlers = getattr(context, "subprocess_handlers", {})  # torchrun's processes for a module or a script
         self.stopped |= {local for local, h in handlers.items() if h.proc.poll() is None}
 
+    def said(self) -> tuple[str, int] | None:
+        """The first line this node's ranks said in their error files (titanlite.errors.say_failure) and
+        its exit code, or None where none did (or none started)."""
+        said = {}
+        for local, path in (getattr(self.context, "error_files", None) or {}).items():
+            with contextlib.suppress(OSError, ValueError), open(path) as fh:
+                data = json.load(fh)
+                if isinstance(data, dict) and "exit_code" in data:
+                    said[local] = data
+        return earliest(said)
+
     def stop(self, signum: int, _frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -375,8 +386,12 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
     try:
         run(args)
     except RendezvousError as e:
-        print(rendezvous.line(e), file=sys.stderr, flush=True)
-        return FAILURE_EXIT
+        # a node whose ranks ran can lose the rendezvous' store after another node ended first (its host
+        # node's agent takes the store along): where this node's ranks said why they stopped, that is
+        # the job's line, the lost store its consequence
+        line, code = ranks.said() or (rendezvous.line(e), FAILURE_EXIT)
+        print(line, file=sys.stderr, flush=True)
+        return code
     except ChildFailedError as e:
         line, code = job_line(e, ranks.signal, ranks.stopped)
         print(line, file=sys.stderr, flush=True)
@@ -424,7 +439,12 @@ def first_line(e) -> tuple[str, int] | None:
     """The line and exit code of the first rank that said its failure in one line (its error file,
     `titanlite.errors.say_failure`) in torchrun's ChildFailedError `e`, or None where none did. The
     exit code is the one the rank said: torchrun may have stopped it (SIGTERM) after its line."""
-    said = {rank: f.error_file_data for rank, f in e.failures.items() if "exit_code" in f.error_file_data}
+    return earliest({rank: f.error_file_data for rank, f in e.failures.items() if "exit_code" in f.error_file_data})
+
+
+def earliest(said: dict[int, dict]) -> tuple[str, int] | None:
+    """The earliest of the ranks' said failures (rank -> say_failure's record; ties: the lowest rank): its
+    line and exit code, or None where there is none."""
     if not said:
         return None
     _, first = min(said.items(), key=lambda rd: (float(rd[1]["timestamp"]), rd[0]))

@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 from titanlite import launch
 from titanlite.config import ConfigError, load_config
+from titanlite.errors import FAILURE_EXIT
 from titanlite.parallel.launcher_env import Launch
 
 from conftest import ROOT, child_env
@@ -125,6 +127,42 @@ def test_the_job_ends_with_the_first_ranks_line_and_the_code_it_said(tmp_path, m
                                              2: failure(2, -9, None, 0.0)})
     assert launch.first_line(e) == ("error: first", 4)
     assert launch.first_line(ChildFailedError("titanlite.train", {0: failure(3, 1, None, 0.0)})) is None
+
+    # the same records read from this node's ranks' error files (Ranks.said): a rank that said nothing
+    # (no file, or torchrun's own record without an exit code) is passed over
+    (tmp_path / "error_5.json").write_text(json.dumps({"message": {"message": "a traceback"}, "timestamp": 1}))
+    ranks = launch.Ranks()
+    assert ranks.said() is None  # no ranks started
+    ranks.context = types.SimpleNamespace(error_files={i: str(tmp_path / f"error_{i}.json") for i in (0, 1, 2, 5)})
+    assert ranks.said() == ("error: first", 4)
+
+
+@pytest.mark.parametrize("ranks_said", [("error: the job's ranks resolved different configurations: ...", 2), None])
+def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_their_line(ranks_said, monkeypatch,
+                                                                                        capsys):
+    """Another node ended first and took the rendezvous' store along (its agent hosted it): this node's
+    agent then fails to reach it, and the job's line is still the one this node's ranks said, with their
+    exit code; a node whose ranks said nothing ends with the rendezvous' line, exit 1."""
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    class Said(launch.Ranks):
+        def said(self):
+            return ranks_said
+
+    def lost_store(_args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(launch, "Ranks", Said)
+    monkeypatch.setattr(torch.distributed.run, "run", lost_store)
+    code = launch.agent(["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", "127.0.0.1:29999"], [])
+    lines = capsys.readouterr().err.strip().splitlines()
+    if ranks_said:
+        assert (lines, code) == ([ranks_said[0]], 2)
+    else:
+        assert (lines, code) == (["error: rendezvous 127.0.0.1:29999: RendezvousConnectionError: The connection to the "
+                                  "C10d store has failed."], FAILURE_EXIT)
 
 
 # ------------------------------------------------------------------------------ the launcher's watch
