@@ -281,7 +281,7 @@ def table(results: list[dict], commit: str, wall: float, device: str) -> str:
 
 
 def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[str], host_gpus: int | None = None,
-        timeout: float = ROW_TIMEOUT, slots: int = 1) -> int:
+        timeout: float = ROW_TIMEOUT, slots: int = 2) -> int:
     import subprocess
 
     rows = design(ngpus)

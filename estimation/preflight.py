@@ -59,7 +59,7 @@ def preflight(cfg, world: int, nodes: int, hardware: str, command: str, argv: li
     restarts = cfg.training.memory_fit == "adjust" and nodes == 1
 
     def with_level(ac: str | None, after: str = " ") -> str:
-        """The checkpointing a line names before a batch: `ac` where it was raised, nothing where not."""
+        """The checkpointing level `ac` as a line names it before a batch (`after` follows it); nothing for None."""
         return f"with activation_checkpoint.mode={ac}{after}" if ac else ""
 
     def batch(search: dict) -> tuple[str, list[str]]:

@@ -256,13 +256,14 @@ class Ranks:
 
         self.signals, self.grace_s = SIGNALS, REPEAT_GRACE_S
         self.context = None
+        self.this_round = False  # `context` holds the ranks of the rendezvous round now on (not an earlier one's)
         self.stopped: set[int] = set()  # local ranks torchrun itself stopped (still running when it closed)
         self.signal: signal.Signals | None = None  # the signal passed on, if any
         self._at: float | None = None
 
     def started(self, context) -> None:
         """torchrun started `context`'s processes (its PContext) and put its own handlers in place."""
-        self.context = context
+        self.context, self.this_round = context, True
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 signal.signal(sig, self.stop)
@@ -273,10 +274,11 @@ class Ranks:
         self.stopped |= {local for local, h in handlers.items() if h.proc.poll() is None}
 
     def said(self) -> tuple[str, int] | None:
-        """The first line this node's ranks said in their error files (titanlite.errors.say_failure) and
-        its exit code, or None where none did (or none started)."""
+        """The first line this node's ranks of this rendezvous round said in their error files
+        (titanlite.errors.say_failure) and its exit code, or None where none did (or none started)."""
         said = {}
-        for local, path in (getattr(self.context, "error_files", None) or {}).items():
+        files = getattr(self.context, "error_files", None) if self.this_round else None
+        for local, path in (files or {}).items():
             with contextlib.suppress(OSError, ValueError), open(path) as fh:
                 data = json.load(fh)
                 if isinstance(data, dict) and "exit_code" in data:
@@ -379,9 +381,13 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
         ranks.closing(context)
         close(context, *args, **kwargs)
 
+    def join(handler):
+        ranks.this_round = False  # a new round (a restart's): what earlier ranks said is not its cause
+        return rendezvous.join(handler, next_rendezvous)
+
     # this process runs one agent: the patches live as long as it
     api.PContext.start, api.PContext.close = start_and_note, note_and_close
-    DynamicRendezvousHandler.next_rendezvous = lambda handler: rendezvous.join(handler, next_rendezvous)
+    DynamicRendezvousHandler.next_rendezvous = join
     signal.signal(signal.SIGUSR1, kill)
     try:
         run(args)

@@ -1069,14 +1069,26 @@ def test_gpu_matrix_refuses_a_host_of_no_gpus_and_a_row_without_time(bad):
         "--host-gpus and --slots must be at least 1 and --row-timeout positive")
 
 
-def test_gpu_matrix_rows_share_gpus_by_slots_each_row_on_distinct_gpus():
+@pytest.mark.parametrize("slots", [None, 1, 3])
+def test_gpu_matrix_hands_each_gpu_to_as_many_rows_as_its_slots(slots, tmp_path, monkeypatch):
+    """The matrix's rows share each GPU `--slots` at a time (two by default): the GPUs its rows are handed
+    list each GPU that often, and two-GPU rows take distinct GPUs."""
     import gpu_matrix
 
-    gpus = gpu_matrix.Gpus([0, 1] * 2)  # two slots on a host of two
-    first, second = gpus.take(2), gpus.take(2)  # two two-GPU rows at once, neither waits
-    assert first == second == [0, 1] and gpus.count == 2
-    gpus.give(first)
-    assert gpus.take(1) == [0] and gpus.take(1) == [1]  # the slots given back serve one-GPU rows
+    handed = []
+
+    def row_run(row, ngpus, gpus, data, prediction, timeout):
+        handed.append(sorted(gpus.free))
+        ids = gpus.take(2)
+        gpus.give(ids)
+        return {**row, "label": gpu_matrix.label(row), "ranks": 2, "expect": "refused", "passed": len(set(ids)) == 2,
+                "said": "", "wall_s": 0.0}
+
+    monkeypatch.setattr(gpu_matrix, "run_row", row_run)
+    monkeypatch.setattr(gpu_matrix.launch, "gpu_names", lambda: [])
+    row = gpu_matrix.label(next(r for r in gpu_matrix.design(2) if r["mode"] == "fsdp"))
+    code = gpu_matrix.run(2, None, "", tmp_path, [row], **({} if slots is None else {"slots": slots}))
+    assert code == 0 and handed == [sorted([0, 1] * (slots or 2))]
 
 
 # -------------------------------------------------------------------------- float8_blocks.py

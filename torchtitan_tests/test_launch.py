@@ -3,8 +3,10 @@
 (estimation.preflight, training.memory_fit)."""
 
 import json
+import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -133,8 +135,12 @@ def test_the_job_ends_with_the_first_ranks_line_and_the_code_it_said(tmp_path, m
     (tmp_path / "error_5.json").write_text(json.dumps({"message": {"message": "a traceback"}, "timestamp": 1}))
     ranks = launch.Ranks()
     assert ranks.said() is None  # no ranks started
+    # what started() records (without its signal handlers, which would stay in this process)
     ranks.context = types.SimpleNamespace(error_files={i: str(tmp_path / f"error_{i}.json") for i in (0, 1, 2, 5)})
+    ranks.this_round = True
     assert ranks.said() == ("error: first", 4)
+    ranks.this_round = False  # a restart's new rendezvous round: those ranks' lines are not its cause
+    assert ranks.said() is None
 
 
 @pytest.mark.parametrize("ranks_said", [("error: the job's ranks resolved different configurations: ...", 2), None])
@@ -155,8 +161,14 @@ def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_the
 
     monkeypatch.setattr(launch, "Ranks", Said)
     monkeypatch.setattr(torch.distributed.run, "run", lost_store)
-    code = launch.agent(["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                         "--rdzv-endpoint", "127.0.0.1:29999"], [])
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        code = launch.agent(["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", "127.0.0.1:29999"], [])
+    finally:  # what the agent leaves in its process, which here is pytest's
+        signal.signal(signal.SIGUSR1, usr1)
+        for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+            logging.getLogger(name).removeFilter(launch._quiet)
     lines = capsys.readouterr().err.strip().splitlines()
     if ranks_said:
         assert (lines, code) == ([ranks_said[0]], 2)

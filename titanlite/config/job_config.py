@@ -169,8 +169,8 @@ class Parallelism:
         "auto", "fsdp/hsdp on CUDA: gather parameters into NCCL symmetric memory over a communicator of their own "
                 "under NCCL's zero-CTA policy, so the GPU's copy engines move them over NVLink and the SMs stay "
                 "with the GEMMs (the reduce-scatters keep SM kernels; needs NCCL >= 2.28). auto = on where every "
-                "gather group is inside one NVSwitch host (H100 SXM, H200, B200) and float8 is off, and says "
-                "which; on = refuse to start where it cannot; off = NCCL's SM kernels")
+                "gather group is inside one NVSwitch host (H100 SXM, H200, B200, GB200), float8's gathers as "
+                "bf16's, and says which; on = refuse to start where it cannot; off = NCCL's SM kernels")
 
 
 @dataclass
