@@ -293,6 +293,7 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
     # names the code by the commit it lands as, not by this one
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
+    commit += f", code {launch.code_digest()}"  # what ran, whatever the copy's git metadata says
     names = launch.gpu_names()
     device = f"{len(names)} x {names[0]}" if names else "no GPU"
     # a row's peak is its own process's allocator's, so rows may share a GPU: their start-up and compile,
@@ -392,6 +393,7 @@ def main() -> int:
     p = launch.Parser(__doc__)
     p.add_argument("--ngpus", type=int, default=2, help="GPUs of this host the rows share")
     p.add_argument("--design", action="store_true", help="print the rows and exit")
+    p.add_argument("--digest", action="store_true", help="print this checkout's code digest (a record's `code`) and exit")
     p.add_argument("--predict", action="store_true", help="predict each row's peak memory on the CPU")
     p.add_argument("--hardware", default="h200", help="--predict: the GPU key (titanlite/hardware.py)")
     p.add_argument("--workers", type=int, default=2, help="--predict: processes")
@@ -412,6 +414,9 @@ def main() -> int:
         p.error("--ngpus must be at least 2: the multi-GPU modes are half the design")
     if (a.host_gpus is not None and a.host_gpus < 1) or a.row_timeout <= 0 or a.slots < 1:
         p.error("--host-gpus and --slots must be at least 1 and --row-timeout positive")
+    if a.digest:
+        print(launch.code_digest())
+        return 0
     if a.design:
         for r in design(a.ngpus):
             print(f"{label(r):70s} {r['expect']}" + (f"  ({r['why']})" if r["why"] else ""))

@@ -92,6 +92,26 @@ def bench_env(extra: dict | None = None) -> dict:
     return {**BENCH_ENV, **os.environ, **(extra or {})}
 
 
+# what a run's code is: the library, its estimate, the benchmarks, the launcher and presets
+CODE_GLOBS = ("titanlite/**/*.py", "estimation/**/*.py", "benchmarks/*.py", "run_train.sh", "train_configs/*.toml",
+              "pyproject.toml")
+
+
+def code_digest(root: Path = ROOT) -> str:
+    """The first 12 hex digits of a sha256 over the code files (CODE_GLOBS) under `root`, by relative
+    path and contents. It names the code a record ran without git: a copy of a working tree may carry
+    git metadata older than its files (its `git describe` then names another commit); the same files
+    give the same digest in any folder, so `python benchmarks/gpu_matrix.py --digest` on a checkout
+    says whether it is the code a record names."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted({p for g in CODE_GLOBS for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def gpu_names() -> list[str]:
     """The names nvidia-smi gives this host's GPUs, those CUDA_VISIBLE_DEVICES shows only (none without
     nvidia-smi). Asked of the driver, so this process holds no CUDA context on any GPU."""

@@ -1069,6 +1069,30 @@ def test_gpu_matrix_refuses_a_host_of_no_gpus_and_a_row_without_time(bad):
         "--host-gpus and --slots must be at least 1 and --row-timeout positive")
 
 
+def test_code_digest_names_the_files_not_the_folder_or_git(tmp_path):
+    """The same code files in two folders give one digest; a changed line, another; caches, records
+    and git metadata none."""
+    import shutil
+
+    import launch
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        (root / "titanlite" / "__pycache__").mkdir(parents=True)
+        (root / "titanlite" / "step.py").write_text("x = 1\n")
+        (root / "train_configs").mkdir()
+        (root / "train_configs" / "p.toml").write_text("[training]\n")
+    (b / "titanlite" / "__pycache__" / "step.cpython-312.pyc").write_bytes(b"\0")
+    (b / ".git").mkdir()
+    (b / "notes.md").write_text("a record\n")
+    assert launch.code_digest(a) == launch.code_digest(b)
+    (b / "titanlite" / "step.py").write_text("x = 2\n")
+    assert launch.code_digest(a) != launch.code_digest(b)
+    shutil.copy(a / "titanlite" / "step.py", b / "titanlite" / "step.py")
+    (b / "train_configs" / "p.toml").rename(b / "train_configs" / "q.toml")  # a renamed preset is other code
+    assert launch.code_digest(a) != launch.code_digest(b)
+
+
 @pytest.mark.parametrize("slots", [None, 1, 3])
 def test_gpu_matrix_hands_each_gpu_to_as_many_rows_as_its_slots(slots, tmp_path, monkeypatch):
     """The matrix's rows share each GPU `--slots` at a time (two by default): the GPUs its rows are handed
@@ -1084,10 +1108,12 @@ def test_gpu_matrix_hands_each_gpu_to_as_many_rows_as_its_slots(slots, tmp_path,
         return {**row, "label": gpu_matrix.label(row), "ranks": 2, "expect": "refused", "passed": len(set(ids)) == 2,
                 "said": "", "wall_s": 0.0}
 
+    # one fsdp row (the design itself takes seconds to build)
+    row = {**{k: v[0] for k, v in gpu_matrix.FACTORS.items()}, "mode": "fsdp", "expect": "train", "why": None}
+    monkeypatch.setattr(gpu_matrix, "design", lambda ngpus: [row])
     monkeypatch.setattr(gpu_matrix, "run_row", row_run)
     monkeypatch.setattr(gpu_matrix.launch, "gpu_names", lambda: [])
-    row = gpu_matrix.label(next(r for r in gpu_matrix.design(2) if r["mode"] == "fsdp"))
-    code = gpu_matrix.run(2, None, "", tmp_path, [row], **({} if slots is None else {"slots": slots}))
+    code = gpu_matrix.run(2, None, "", tmp_path, [], **({} if slots is None else {"slots": slots}))
     assert code == 0 and handed == [sorted([0, 1] * (slots or 2))]
 
 
