@@ -115,7 +115,7 @@ def plan(a: argparse.Namespace) -> list[Row]:
         f8 = {"bf16": [], "float8": ["--float8.enable"]}
         rows += [Row("titanlite", p, b, [*batch, *f8[p]]) for p in a.precision_list]
         for v in a.versions:
-            for p in a.precision_list:
+            for p in a.peer_precisions:
                 if v == "0.2.2":
                     rows.append(Row(v, p, b, [*theirs, "--training.seq_len", str(seq), "--training.steps", str(a.steps),
                                               *PEER_AC[a.ac], *batch, *(PEER_FLOAT8 if p == "float8" else [])]))
@@ -271,6 +271,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ac", choices=list(PEER_AC), default="none")
     p.add_argument("--precisions", default="bf16,float8", help="comma-separated: bf16, float8 (titanlite and peers)")
     p.add_argument("--float8-only", action="store_true", help="the same as --precisions float8")
+    p.add_argument("--peer-precisions", default="", help="comma-separated: the peers' precisions, where they differ "
+                                                         "from --precisions (float8 alone: their float8 against "
+                                                         "titanlite's both)")
     p.add_argument("--peers", default="0.2.2", help=f"comma-separated torchtitan versions ({', '.join(launch.PEERS)}); "
                                                      "'' for none")
     p.add_argument("--tt3-rowwise", action="store_true", help="also torchtitan 0.3.0's own float8 (rowwise)")
@@ -297,7 +300,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.precision_list = ["float8"] if a.float8_only else [x for x in a.precisions.split(",") if x]
     a.extra_at = [x for x in a.extra_at.split(",") if x]
     a.versions = [v for v in a.peers.split(",") if v]
-    bad = [x for x in a.precision_list + a.extra_at if x not in PRECISIONS] + [v for v in a.versions if v not in launch.PEERS]
+    a.peer_precisions = [x for x in a.peer_precisions.split(",") if x] or a.precision_list
+    bad = [x for x in a.precision_list + a.peer_precisions + a.extra_at if x not in PRECISIONS] + [v for v in a.versions if v not in launch.PEERS]
     if bad:
         p.error(f"unknown precision or torchtitan version: {', '.join(bad)} (precisions: {', '.join(PRECISIONS)}; "
                 f"versions: {', '.join(launch.PEERS)})")

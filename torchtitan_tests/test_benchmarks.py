@@ -862,6 +862,9 @@ def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
     # --tt3-rowwise: 0.3.0's own float8 as a row of its own; --float8-only: float8 rows alone; --unfused at the first batch
     rows = f.plan(f.parse_args([*EIGHT_B, "--tt3-rowwise"]))
     assert [r.args[3] for r in rows if r.label == "torchtitan 0.3.0 float8 rowwise"] == ["float8_rowwise"]
+    # --peer-precisions: the peers' own precisions (their float8 alone against titanlite's both)
+    rows = f.plan(f.parse_args(["--batches", "16", "--peer-precisions", "float8"]))
+    assert [r.label for r in rows] == ["titanlite bf16", "titanlite float8", "torchtitan 0.2.2 float8"]
     rows = f.plan(f.parse_args(["--batches", "4,16", "--float8-only", "--unfused", "--peers", ""]))
     assert [(r.label, r.batch) for r in rows] == [("titanlite float8", 4), ("titanlite float8 unfused", 4),
                                                   ("titanlite float8", 16)]
@@ -879,7 +882,7 @@ def test_float8_fsdp_rows_each_precision_each_peer_then_the_variants():
 
 
 @pytest.mark.parametrize("argv", [["--precisions", "fp16"], ["--peers", "0.1"], ["--batches", "2,x"],
-                                  ["--extra-at", "int8"], ["--tt3-rowwise"], ["--steps", "6", "--skip", "6"],
+                                  ["--extra-at", "int8"], ["--peer-precisions", "fp8"], ["--tt3-rowwise"], ["--steps", "6", "--skip", "6"],
                                   ["--predictions", "/no/such.json"], ["--predict", "--predictions", "x.json"]])
 def test_float8_fsdp_refuses_bad_input_in_one_line(argv):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "float8_fsdp.py"), *argv], capture_output=True,
