@@ -143,16 +143,22 @@ def test_the_job_ends_with_the_first_ranks_line_and_the_code_it_said(tmp_path, m
     assert ranks.said() is None
 
 
-@pytest.mark.parametrize("ranks_said", [("error: the job's ranks resolved different configurations: ...", 2), None])
-def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_their_line(ranks_said, monkeypatch,
+@pytest.mark.parametrize("ranks_said,ran", [(("error: the job's ranks resolved different configurations: ...", 2), True),
+                                            (None, True), (None, False)])
+def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_their_line(ranks_said, ran, monkeypatch,
                                                                                         capsys):
     """Another node ended first and took the rendezvous' store along (its agent hosted it): this node's
     agent then fails to reach it, and the job's line is still the one this node's ranks said, with their
-    exit code; a node whose ranks said nothing ends with the rendezvous' line, exit 1."""
+    exit code; where they said nothing, a line saying the store's node ended, exit 1; before any rank
+    started, the rendezvous' own error."""
     import torch.distributed.run
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     class Said(launch.Ranks):
+        def __init__(self):
+            super().__init__()
+            self.context = object() if ran else None
+
         def said(self):
             return ranks_said
 
@@ -172,6 +178,11 @@ def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_the
     lines = capsys.readouterr().err.strip().splitlines()
     if ranks_said:
         assert (lines, code) == ([ranks_said[0]], 2)
+    elif ran:
+        assert (lines, code) == (["error: rendezvous 127.0.0.1:29999: lost its store while this node's ranks ran "
+                                  "(RendezvousConnectionError): the node holding it, the first to reach "
+                                  "127.0.0.1:29999, ended or cannot be reached (its own output says why); this node's "
+                                  "ranks were stopped"], FAILURE_EXIT)
     else:
         assert (lines, code) == (["error: rendezvous 127.0.0.1:29999: RendezvousConnectionError: The connection to the "
                                   "C10d store has failed."], FAILURE_EXIT)
