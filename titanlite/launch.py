@@ -216,7 +216,11 @@ def supervise(job: Job, prediction: Prediction, mode: str, poll_s: float = 0.1) 
                 if not (code == OUT_OF_MEMORY_EXIT and mode == "adjust" and prediction.pending):
                     prediction.cancel()
                     return code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
-                prediction.proc.wait()  # out of memory before the prediction came: adjust starts it again
+                # out of memory before the prediction came: adjust starts it again. Said, as the ranks' own
+                # out-of-memory line above would otherwise read as the job's end
+                print("memory check: the ranks ran out of memory before the check's prediction; waiting for it "
+                      "(training.memory_fit=adjust starts them again where it finds a batch that fits)", flush=True)
+                prediction.proc.wait()
             if prediction.done():
                 verdict = prediction.verdict()
                 action = verdict["action"]

@@ -247,12 +247,16 @@ def test_a_job_that_ends_first_ends_the_prediction(stub_job):
 
 
 @pytest.mark.parametrize("mode, code, starts", [("adjust", 0, 2), ("check", 4, 1)])
-def test_out_of_memory_before_the_prediction(stub_job, tmp_path, mode, code, starts):
-    """adjust waits for the prediction to start the job again at the batch that fits; check ends with
-    the job's own out-of-memory line and code."""
+def test_out_of_memory_before_the_prediction(stub_job, tmp_path, capsys, mode, code, starts):
+    """adjust says it waits for the prediction (the ranks' out-of-memory line is not the job's end) and
+    starts the job again at the batch that fits; check ends with the job's own out-of-memory line and code."""
     verdict = {"action": "restart", "line": "memory check: starting again", "args": ["--training.local_batch_size", "2"]}
     assert launch.supervise(stub_job("--quick", "--exit", "4"), predicting(verdict, 5.0), mode) == code
     assert len((tmp_path / "starts").read_text().splitlines()) == starts
+    said = capsys.readouterr().out.splitlines()
+    assert said == (["memory check: the ranks ran out of memory before the check's prediction; waiting for it "
+                     "(training.memory_fit=adjust starts them again where it finds a batch that fits)",
+                     "memory check: starting again"] if mode == "adjust" else [])
 
 
 def test_a_run_that_fits_is_left_alone_and_says_its_peak(stub_job, tmp_path, capsys):
