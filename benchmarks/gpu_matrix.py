@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import launch  # noqa: E402  (benchmarks/launch.py: the one launcher)
+from titanlite.parallel.modes import MODES  # noqa: E402
 
 FACTORS: dict[str, list] = {
     "mode": ["one", "ddp", "zero1", "fsdp", "hsdp"],
@@ -55,7 +56,8 @@ FACTORS: dict[str, list] = {
     "fused": [True, False],  # the optimizer's fused update, or torch's / the eager per-parameter one
     "model": ["llama", "qwen3"],
 }
-SHARDED = ("fsdp", "hsdp")  # the modes accum "2s" applies to: a value of no other mode's (never a row)
+# the modes accum "2s" applies to (those that shard the gradients): a value of no other mode's (never a row)
+SHARDED = tuple(m for m, traits in MODES.items() if traits.shards_params)
 MODELS = {"llama": ["--model.name", "llama", "--model.flavor", "1.36B"],
           "qwen3": ["--model.name", "qwen3", "--model.flavor", "1.8B"]}
 LOCAL, SEQ, STEPS = 2, 512, 16  # ddp captures its graph after 11 eager steps: replays follow

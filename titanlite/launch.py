@@ -345,12 +345,12 @@ class Rendezvous:
             thread.join()
 
     def line(self, e: Exception, ranks_ran: bool = False) -> str:
-        """The one line of rendezvous error `e`; `ranks_ran`: this node's ranks had started (a lost store then
-        means the node holding it ended, which says why itself)."""
+        """The one line of rendezvous error `e`; `ranks_ran`: this node's ranks of the round had started (a
+        lost store then means the node holding it ended, which says why itself)."""
         if ranks_ran and "Connection" in type(e).__name__:
             return (f"error: rendezvous {self.endpoint}: lost its store while this node's ranks ran "
-                    f"({type(e).__name__}): the node holding it, the first to reach {self.endpoint}, ended or cannot be reached (its own "
-                    f"output says why); this node's ranks were stopped")
+                    f"({type(e).__name__}): the node holding it, the first to reach {self.endpoint}, ended or "
+                    f"cannot be reached (its own output says why); this node's ranks were stopped")
         if self.handler is None:
             return f"error: rendezvous {self.endpoint}: {type(e).__name__}: {e}"
         if "timeout" in type(e).__name__.lower():
@@ -405,7 +405,7 @@ def agent(torchrun_opts: list[str], train_args: list[str]) -> int:
         # a node whose ranks ran can lose the rendezvous' store after another node ended first (its host
         # node's agent takes the store along): where this node's ranks said why they stopped, that is
         # the job's line, the lost store its consequence
-        line, code = ranks.said() or (rendezvous.line(e, ranks_ran=ranks.context is not None), FAILURE_EXIT)
+        line, code = ranks.said() or (rendezvous.line(e, ranks_ran=ranks.this_round), FAILURE_EXIT)
         print(line, file=sys.stderr, flush=True)
         return code
     except ChildFailedError as e:

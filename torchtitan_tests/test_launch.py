@@ -157,7 +157,7 @@ def test_a_node_that_loses_the_rendezvous_after_its_ranks_said_why_ends_with_the
     class Said(launch.Ranks):
         def __init__(self):
             super().__init__()
-            self.context = object() if ran else None
+            self.context, self.this_round = (object(), True) if ran else (None, False)
 
         def said(self):
             return ranks_said
