@@ -4,6 +4,7 @@ The optional packages are made unimportable (sys.modules[name] = None makes `imp
 ImportError) or replaced by small stand-ins, so the chain is exercised on any machine.
 """
 
+import importlib
 import logging
 import sys
 import types
@@ -206,6 +207,49 @@ def test_fa4_first_in_the_chain_and_in_auto_only_where_its_row_lists_it(monkeypa
     assert len(warnings_of(caplog)) == 1 and "'flash_attn_4'" in warnings_of(caplog)[0]
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA4 and FA3 missing: SDPA runs
     assert A.resolve_backend("flash_attn_4", fake_hopper) == "sdpa"
+
+
+def broken_import(monkeypatch, module: str, error: Exception):
+    """importlib.import_module(`module`) raises `error`, as an installed package that fails at import does."""
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name == module:
+            raise error
+        return real(name, package)
+
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
+def test_an_installed_backend_that_does_not_load_is_named_with_its_error(monkeypatch, fake_hopper, caplog):
+    # flash-attn 4 installed but its CuTe DSL raising at import: auto at seq 8192 passes it over and says why
+    broken_import(monkeypatch, "flash_attn.cute.interface", RuntimeError("CuTe DSL: libcuda.so not found\nmore"))
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("auto", fake_hopper, seq_len=8192) == "sdpa_cudnn"
+        assert A.resolve_backend("auto", fake_hopper, seq_len=2048) == "sdpa_cudnn"  # not in auto's order there
+    assert warnings_of(caplog) == ["model.attention_backend=auto: flash_attn_4 is installed but does not load here "
+                                   "(RuntimeError: CuTe DSL: libcuda.so not found); using 'sdpa_cudnn'"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("flash_attn_4", fake_hopper) == "sdpa"
+    assert warnings_of(caplog) == ["attention backend 'flash_attn_4' is not available on cuda (it is installed but "
+                                   "does not load: RuntimeError: CuTe DSL: libcuda.so not found); using 'sdpa' instead"]
+    # a dependency of the package missing is a broken install too; the package itself missing is not
+    broken_import(monkeypatch, "flash_attn.cute.interface", ModuleNotFoundError("No module named 'cutlass'",
+                                                                                name="cutlass"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        A.resolve_backend("auto", fake_hopper, seq_len=8192)
+    assert [m.split("(")[1].split(")")[0] for m in warnings_of(caplog)] == ["ModuleNotFoundError: No module named 'cutlass'"]
+    broken_import(monkeypatch, "flash_attn.cute.interface", ModuleNotFoundError("No module named 'flash_attn'",
+                                                                                name="flash_attn"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("auto", fake_hopper, seq_len=8192) == "sdpa_cudnn"
+    assert warnings_of(caplog) == []
 
 
 @pytest.mark.parametrize("capability,available", [((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)])

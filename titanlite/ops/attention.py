@@ -19,6 +19,33 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("titanlite")
 
+# Backends whose package is installed but raised on import in this process (backend name -> the error's first
+# line), filled by _import during resolve_backend's availability checks, so that its warning can say why an
+# installed, faster backend was passed over instead of falling back in silence.
+LOAD_ERRORS: dict[str, str] = {}
+
+
+def _import(name: str, module: str):
+    """`module`, imported for backend `name`; None where its package is missing (silently: most runs have
+    no flash-attn) or where it raises (recorded in LOAD_ERRORS: an installed package that does not load)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            return None  # the package itself (or a part of it) is not installed
+        LOAD_ERRORS[name] = _first_line(e)  # installed, but something it imports is missing
+        return None
+    except Exception as e:  # a broken build or a failing JIT toolchain (the CuTe DSL) raising at import
+        LOAD_ERRORS[name] = _first_line(e)
+        return None
+    return mod
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    line = f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= 200 else line[:197] + "..."
+
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=2)
@@ -111,10 +138,8 @@ class FlashAttn:
 
     @classmethod
     def _load(cls):
-        try:
-            return getattr(importlib.import_module(cls.module), cls.func)
-        except Exception:  # ImportError, or a broken build raising at import time
-            return None
+        mod = _import(cls.name, cls.module)
+        return getattr(mod, cls.func, None) if mod is not None else None
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
@@ -151,11 +176,8 @@ class FlashAttn4:
 
     @classmethod
     def _load(cls):
-        """The interface module, or None when it is missing or lacks the kernel entry points."""
-        try:
-            mod = importlib.import_module(cls.module)
-        except Exception:  # ImportError, or the CuTe DSL failing to load
-            return None
+        """The interface module, or None when it is missing, does not load or lacks the kernel entry points."""
+        mod = _import(cls.name, cls.module)
         return mod if hasattr(mod, "_flash_attn_fwd") and hasattr(mod, "_flash_attn_bwd") else None
 
     @classmethod
@@ -250,16 +272,25 @@ def auto_order(device: torch.device, seq_len: int = 0) -> tuple[str, ...]:
 
 def resolve_backend(requested: str, device: torch.device, seq_len: int = 0) -> str:
     """Name of the backend that will run for `requested` on `device`, for sequences of `seq_len` tokens
-    (auto's order can depend on it); warns once on fallback."""
+    (auto's order can depend on it); warns once on fallback, and where an installed backend that `auto`
+    would have taken first does not load, says so with its error."""
+    LOAD_ERRORS.clear()  # what this resolution's availability checks find
     if requested == "auto":
-        return next(n for n in auto_order(device, seq_len) if BACKENDS[n].available(device))
+        order = auto_order(device, seq_len)
+        name = next(n for n in order if BACKENDS[n].available(device))
+        for passed in order[:order.index(name)]:
+            if passed in LOAD_ERRORS:
+                logger.warning(f"model.attention_backend=auto: {passed} is installed but does not load here "
+                               f"({LOAD_ERRORS[passed]}); using '{name}'")
+        return name
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend '{requested}'; choose from auto, {', '.join(BACKENDS)}")
     name = requested
     while not BACKENDS[name].available(device):
         name = FALLBACK[name]
     if name != requested:
-        logger.warning(f"attention backend '{requested}' is not available on {device.type}; using '{name}' instead")
+        why = f" (it is installed but does not load: {LOAD_ERRORS[requested]})" if requested in LOAD_ERRORS else ""
+        logger.warning(f"attention backend '{requested}' is not available on {device.type}{why}; using '{name}' instead")
     return name
 
 
