@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     at_once = runs_at_once(wanted, a.ngpus, cores)
     if at_once < wanted:
         print(f"accum_numerics: {at_once} runs at once ({cores} CPU cores, {a.ngpus} rank(s) a run)", flush=True)
+    launch.end_runs_on_signals()  # here, in the main thread: the runs start in the pool's
     with ThreadPoolExecutor(at_once) as pool:
         done = list(pool.map(one, jobs))
     finals = {p: {} for p in PATHS}

@@ -301,6 +301,7 @@ def run(ngpus: int, predictions: Path | None, data: str, out: Path, only: list[s
     # a row's peak is its own process's allocator's, so rows may share a GPU: their start-up and compile,
     # most of a row's time, then overlap
     gpus, t0 = Gpus(list(range(host_gpus or ngpus)) * slots), time.time()
+    launch.end_runs_on_signals()  # here, in the main thread: the rows start in the pool's
     # the widest rows first, so that one-GPU rows fill the gaps beside them
     order = sorted(rows, key=lambda r: (r["expect"] != "train", r["mode"] == "one", not r["compile"]))
     with futures.ThreadPoolExecutor((host_gpus or ngpus) * slots + 2) as pool:
@@ -367,6 +368,7 @@ def sweep_one(row: dict, ngpus: int, gpus: Gpus, data: str, timeout: float = ROW
 def sweep(ngpus: int, data: str, out: Path, slots: int, only: list[str], timeout: float = ROW_TIMEOUT) -> int:
     """The float8 rows against their bf16 runs; each GPU runs up to `slots` rows at once (small model)."""
     gpus, t0 = Gpus(list(range(ngpus)) * slots), time.time()
+    launch.end_runs_on_signals()  # here, in the main thread: the rows start in the pool's
     rows = sweep_chosen(only)
     with futures.ThreadPoolExecutor(ngpus * slots) as pool:
         results = list(pool.map(lambda r: note(out, "float8_sweep", sweep_one(r, ngpus, gpus, data, timeout)), rows))

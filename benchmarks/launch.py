@@ -154,18 +154,61 @@ def command(ngpus: int, target: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpus}", *target]
 
 
+# The runs execute and execute_nodes have started and not yet seen end: a signal that ends this process
+# ends them first (end_runs_on_signals)
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def end_runs_on_signals() -> None:
+    """Make SIGTERM, SIGHUP and SIGINT (a `timeout` around a benchmark script, a closed terminal, Ctrl-C) end the
+    runs this process started before it goes: each run is a process group of its own, which a signal to this
+    process alone would leave on the GPUs, holding their memory under every later run. Takes effect from the
+    main thread (signal.signal's rule: execute calls it, and scripts that run rows in threads call it first);
+    leaves a handler that someone else set."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _ENDING_SIGNALS:
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, _end_runs_and_go)
+
+
+def _end_runs_and_go(signum, frame) -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for p in live:
+        _kill_group(p)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)  # then the signal's own end, as if this handler had not been
+    os.kill(os.getpid(), signum)
+
+
+def _started(p: subprocess.Popen) -> subprocess.Popen:
+    with _LIVE_LOCK:
+        _LIVE.add(p)
+    return p
+
+
+def _ended(p: subprocess.Popen) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(p)
+
+
 def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Path = ROOT,
             env: dict | None = None, timed: bool = False) -> tuple[int | None, str, float]:
-    """Run `cmd` as its own process group; kill the group at `timeout` s. Returns (rc or None, output, seconds).
-    `timed`: each output line prefixed with the seconds since the start when it came ("%7.1f "; timed_lines
-    reads them back)."""
+    """Run `cmd` as its own process group; kill the group at `timeout` s, or when a signal ends this process
+    (end_runs_on_signals). Returns (rc or None, output, seconds). `timed`: each output line prefixed with the
+    seconds since the start when it came ("%7.1f "; timed_lines reads them back)."""
+    end_runs_on_signals()
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{name}.log"
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
     t0 = time.time()
     with open(log, "w") as fh:
-        p = subprocess.Popen(cmd, cwd=cwd, env=bench_env(env), stdout=subprocess.PIPE if timed else fh,
-                             stderr=subprocess.STDOUT, text=timed, start_new_session=True)
+        p = _started(subprocess.Popen(cmd, cwd=cwd, env=bench_env(env), stdout=subprocess.PIPE if timed else fh,
+                                      stderr=subprocess.STDOUT, text=timed, start_new_session=True))
         if timed:
             def stamp():
                 for line in p.stdout:
@@ -178,6 +221,8 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
         except subprocess.TimeoutExpired:
             rc = None
             _kill_group(p)
+        finally:
+            _ended(p)
         if timed:
             reader.join(timeout=10)
     text = log.read_text(errors="replace")
@@ -195,14 +240,15 @@ def execute_nodes(name: str, agents: list[tuple[list[str], dict]], timeout: int,
     WORK/<name>.node<i>.log), under `env` and each its own; kill every group at `timeout` s, and the
     others `grace` s after one fails (its peers would wait for it). Returns (0, or the first failure's
     rc, or None at the timeout; the outputs one after the other; seconds)."""
+    end_runs_on_signals()
     work.mkdir(parents=True, exist_ok=True)
     t0, procs, logs = time.time(), [], []
     for i, (cmd, own) in enumerate(agents):
         logs.append(work / f"{name}.node{i}.log")
         print(f"[{time.strftime('%H:%M:%S')}] {name} node {i}: {' '.join(cmd)}", flush=True)
         with open(logs[-1], "w") as fh:
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=bench_env({**(env or {}), **own}), stdout=fh,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(_started(subprocess.Popen(cmd, cwd=cwd, env=bench_env({**(env or {}), **own}), stdout=fh,
+                                                   stderr=subprocess.STDOUT, start_new_session=True)))
     deadline, timed_out = t0 + timeout, False
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
@@ -215,6 +261,8 @@ def execute_nodes(name: str, agents: list[tuple[list[str], dict]], timeout: int,
             break
         time.sleep(0.5)
     rcs = [p.wait() for p in procs]
+    for p in procs:
+        _ended(p)
     text = "\n".join(f"== node {i} ==\n" + log.read_text(errors="replace") for i, log in enumerate(logs))
     rc = None if timed_out else next((r for r in rcs if r != 0), 0)
     return rc, text, time.time() - t0

@@ -209,14 +209,15 @@ def test_fa4_first_in_the_chain_and_in_auto_only_where_its_row_lists_it(monkeypa
     assert A.resolve_backend("flash_attn_4", fake_hopper) == "sdpa"
 
 
+REAL_IMPORT = importlib.import_module
+
+
 def broken_import(monkeypatch, module: str, error: Exception):
     """importlib.import_module(`module`) raises `error`, as an installed package that fails at import does."""
-    real = importlib.import_module
-
     def import_module(name, package=None):
         if name == module:
             raise error
-        return real(name, package)
+        return REAL_IMPORT(name, package)
 
     monkeypatch.delitem(sys.modules, module, raising=False)
     monkeypatch.setattr(importlib, "import_module", import_module)
@@ -249,6 +250,24 @@ def test_an_installed_backend_that_does_not_load_is_named_with_its_error(monkeyp
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titanlite"):
         assert A.resolve_backend("auto", fake_hopper, seq_len=8192) == "sdpa_cudnn"
+    assert warnings_of(caplog) == []
+    # a module that loads without the entry points titanlite calls is named too
+    monkeypatch.setattr(importlib, "import_module", REAL_IMPORT)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", types.ModuleType("flash_attn.cute.interface"))
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("auto", fake_hopper, seq_len=8192) == "sdpa_cudnn"
+    assert [m.split("(")[1].split(")")[0] for m in warnings_of(caplog)] == [
+        "flash_attn.cute.interface has no _flash_attn_fwd or _flash_attn_bwd"]
+
+
+def test_a_broken_package_for_another_gpu_is_not_named(monkeypatch, fake_hopper, caplog):
+    # flash-attn 3 is Hopper's alone: on a Blackwell GPU auto's row starts with it, and a broken install of it
+    # there is not what passed it over
+    broken_import(monkeypatch, "flash_attn_interface", RuntimeError("built for sm90"))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("auto", fake_hopper) == "sdpa_cudnn"
     assert warnings_of(caplog) == []
 
 

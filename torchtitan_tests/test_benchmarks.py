@@ -9,8 +9,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +189,38 @@ def test_timeout_ends_the_run_and_everything_it_started(tmp_path):
                                     work=tmp_path)
     assert rc is None and wall < 30
     for pid in map(int, text.split()):
+        state = Path(f"/proc/{pid}/stat")
+        assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_as_they_were():
+    """launch.execute makes SIGTERM, SIGHUP and SIGINT end its runs first (end_runs_on_signals): pytest's
+    process gets its handlers back after each test."""
+    saved = {sig: signal.getsignal(sig) for sig in launch._ENDING_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_that_ends_a_benchmark_script_ends_its_runs_first(tmp_path, sig):
+    """A `timeout` (SIGTERM) or Ctrl-C (SIGINT) around a script that runs through execute ends the run it
+    started and what that started in a session of its own (as torchrun's workers are), instead of leaving
+    them on the GPUs under the next call's runs."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys, pathlib\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nimport launch\n"
+                      f"launch.execute('run', ['bash', '-c', 'setsid sleep 60 & echo $!; sleep 60 & echo $!; wait'], "
+                      f"120, work=pathlib.Path({str(tmp_path)!r}))\n")
+    p = subprocess.Popen([sys.executable, str(script)], env=child_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    log, deadline = tmp_path / "run.log", time.time() + 60
+    while len(log.read_text().split() if log.exists() else []) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    pids = [int(x) for x in log.read_text().split()]
+    p.send_signal(sig)
+    assert p.wait(timeout=60) == -sig  # and then the signal's own end
+    for pid in pids:
         state = Path(f"/proc/{pid}/stat")
         assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 

@@ -3,7 +3,8 @@
 q: (B, S, Hq, D); k, v: (B, S, Hkv, D) with Hq a multiple of Hkv (GQA); out: (B, S, Hq, D).
 Each backend is a small class in BACKENDS; `resolve_backend` turns a requested name into one that
 can run here, walking the fallback chain FA4 -> FA3 -> FA2 -> SDPA -> manual with a single warning.
-`auto` takes the first available backend of its GPU's row in AUTO_ORDER (for the run's sequence length).
+`auto` takes the first available backend of its GPU's row in AUTO_ORDER (for the run's sequence length),
+with a warning for each installed backend ahead of it that does not load (LOAD_ERRORS).
 """
 
 from __future__ import annotations
@@ -139,7 +140,10 @@ class FlashAttn:
     @classmethod
     def _load(cls):
         mod = _import(cls.name, cls.module)
-        return getattr(mod, cls.func, None) if mod is not None else None
+        fn = getattr(mod, cls.func, None) if mod is not None else None
+        if mod is not None and fn is None:
+            LOAD_ERRORS[cls.name] = f"{cls.module} has no {cls.func}"
+        return fn
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
@@ -158,7 +162,9 @@ class FlashAttn3(FlashAttn):
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
-        return super().available(device) and torch.cuda.get_device_capability(device)[0] == 9
+        # the GPU first: a package that could not run here is not looked at (nor named as not loading)
+        return (device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+                and super().available(device))
 
 
 class FlashAttn4:
@@ -178,7 +184,13 @@ class FlashAttn4:
     def _load(cls):
         """The interface module, or None when it is missing, does not load or lacks the kernel entry points."""
         mod = _import(cls.name, cls.module)
-        return mod if hasattr(mod, "_flash_attn_fwd") and hasattr(mod, "_flash_attn_bwd") else None
+        if mod is None:
+            return None
+        missing = [f for f in ("_flash_attn_fwd", "_flash_attn_bwd") if not hasattr(mod, f)]
+        if missing:
+            LOAD_ERRORS[cls.name] = f"{cls.module} has no {' or '.join(missing)}"
+            return None
+        return mod
 
     @classmethod
     def available(cls, device: torch.device) -> bool:
