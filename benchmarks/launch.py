@@ -155,10 +155,11 @@ def command(ngpus: int, target: list[str]) -> list[str]:
 
 
 # The runs execute and execute_nodes have started and not yet seen end: a signal that ends this process
-# ends them first (end_runs_on_signals)
+# ends them first (end_runs_on_signals). Reentrant: the handler runs in the main thread, which may hold it.
 _LIVE: set[subprocess.Popen] = set()
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.RLock()
 _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_ENDING = threading.Event()  # set once a signal is ending this process: no run starts after it
 
 
 def end_runs_on_signals() -> None:
@@ -175,20 +176,40 @@ def end_runs_on_signals() -> None:
 
 
 def _end_runs_and_go(signum, frame) -> None:
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for p in live:
-        _kill_group(p)
+    """The handler: no run starts from now on; end every live run together (a row's thread may start one
+    while others end: again until none is left), then end as the signal would have. A second signal while
+    the runs end kills what is left at once and exits."""
+    if _ENDING.is_set():
+        with _LIVE_LOCK:
+            live = list(_LIVE)
+        _signal_runs(live, signal.SIGKILL)
+        os._exit(128 + signum)
+    _ENDING.set()
+    ended: set[subprocess.Popen] = set()
+    while True:
+        with _LIVE_LOCK:
+            live = [p for p in _LIVE if p.returncode is None and p not in ended]
+        if not live:
+            break
+        _kill_groups(live)
+        ended.update(live)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)  # then the signal's own end, as if this handler had not been
     os.kill(os.getpid(), signum)
 
 
+class Ending(RuntimeError):
+    """A run asked for after a signal began to end this process."""
+
+
 def _started(p: subprocess.Popen) -> subprocess.Popen:
     with _LIVE_LOCK:
-        _LIVE.add(p)
-    return p
+        if not _ENDING.is_set():
+            _LIVE.add(p)
+            return p
+    _kill_groups([p])  # started in the moment the handler began
+    raise Ending("a signal is ending this process: no run starts")
 
 
 def _ended(p: subprocess.Popen) -> None:
@@ -202,6 +223,8 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
     (end_runs_on_signals). Returns (rc or None, output, seconds). `timed`: each output line prefixed with the
     seconds since the start when it came ("%7.1f "; timed_lines reads them back)."""
     end_runs_on_signals()
+    if _ENDING.is_set():
+        raise Ending("a signal is ending this process: no run starts")
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{name}.log"
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
@@ -221,6 +244,9 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
         except subprocess.TimeoutExpired:
             rc = None
             _kill_group(p)
+        except BaseException:  # the handler's KeyboardInterrupt (it ended the run), or anything else
+            _kill_groups([p])
+            raise
         finally:
             _ended(p)
         if timed:
@@ -243,55 +269,69 @@ def execute_nodes(name: str, agents: list[tuple[list[str], dict]], timeout: int,
     end_runs_on_signals()
     work.mkdir(parents=True, exist_ok=True)
     t0, procs, logs = time.time(), [], []
-    for i, (cmd, own) in enumerate(agents):
-        logs.append(work / f"{name}.node{i}.log")
-        print(f"[{time.strftime('%H:%M:%S')}] {name} node {i}: {' '.join(cmd)}", flush=True)
-        with open(logs[-1], "w") as fh:
-            procs.append(_started(subprocess.Popen(cmd, cwd=cwd, env=bench_env({**(env or {}), **own}), stdout=fh,
-                                                   stderr=subprocess.STDOUT, start_new_session=True)))
-    deadline, timed_out = t0 + timeout, False
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.time() + grace)
-        if time.time() > deadline:
-            timed_out = all(p.returncode in (None, 0) for p in procs)
-            for p in procs:
-                if p.poll() is None:
-                    _kill_group(p)
-            break
-        time.sleep(0.5)
-    rcs = [p.wait() for p in procs]
-    for p in procs:
-        _ended(p)
+    try:
+        for i, (cmd, own) in enumerate(agents):
+            logs.append(work / f"{name}.node{i}.log")
+            print(f"[{time.strftime('%H:%M:%S')}] {name} node {i}: {' '.join(cmd)}", flush=True)
+            with open(logs[-1], "w") as fh:
+                procs.append(_started(subprocess.Popen(cmd, cwd=cwd, env=bench_env({**(env or {}), **own}), stdout=fh,
+                                                       stderr=subprocess.STDOUT, start_new_session=True)))
+        deadline, timed_out = t0 + timeout, False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.time() + grace)
+            if time.time() > deadline:
+                timed_out = all(p.returncode in (None, 0) for p in procs)
+                _kill_groups([p for p in procs if p.poll() is None])
+                break
+            time.sleep(0.5)
+        rcs = [p.wait() for p in procs]
+    except BaseException:  # an agent that did not start, the handler's KeyboardInterrupt: none is left running
+        _kill_groups([p for p in procs if p.poll() is None])
+        raise
+    finally:
+        for p in procs:
+            _ended(p)
     text = "\n".join(f"== node {i} ==\n" + log.read_text(errors="replace") for i, log in enumerate(logs))
     rc = None if timed_out else next((r for r in rcs if r != 0), 0)
     return rc, text, time.time() - t0
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    """End a timed-out run: its process group, then whatever of its descendants is left (torchrun
-    starts each worker in a new process group (setsid), so ours alone would leave them on the GPUs)."""
-    pids = _descendants(p.pid)
+    """End a timed-out run (_kill_groups)."""
+    _kill_groups([p])
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """End runs together: each one's process group, then whatever of its descendants is left (torchrun
+    starts each worker in a new process group (setsid), so the group alone would leave them on the GPUs).
+    SIGTERM to all, up to 20 s for all of them to go, then SIGKILL to what is left, 5 s more."""
+    kids = {p: _descendants(p.pid) for p in procs}
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+        _signal_runs(procs, sig, kids)
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            # a signalled descendant takes a moment to exit after its group's leader has: wait for it too
+            # (a leader unreaped because the thread waiting on it is the one this handler interrupted: gone too)
+            if all(p.poll() is not None or _gone(p.pid) for p in procs) and all(_gone(k) for ks in kids.values()
+                                                                                for k in ks):
+                return
+            time.sleep(0.05)
+
+
+def _signal_runs(procs: list[subprocess.Popen], sig: int, kids: dict | None = None) -> None:
+    """`sig` to each run's process group and to its descendants (`kids`: found before, else now)."""
+    for p in procs:
         try:
             os.killpg(p.pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # a signalled descendant takes a moment to exit after the group leader has: wait for it
-        deadline = time.time() + wait
-        while not all(_gone(pid) for pid in pids) and time.time() < deadline:
-            time.sleep(0.05)
-        if all(_gone(pid) for pid in pids):
-            return
+        for pid in (kids[p] if kids is not None else _descendants(p.pid)):
+            if not _gone(pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
 
 
 def _gone(pid: int) -> bool:

@@ -260,6 +260,21 @@ def test_an_installed_backend_that_does_not_load_is_named_with_its_error(monkeyp
         "flash_attn.cute.interface has no _flash_attn_fwd or _flash_attn_bwd"]
 
 
+def test_flash_attn_4_alone_does_not_make_flash_attn_2_look_broken(monkeypatch, fake_hopper, caplog):
+    # flash-attn 4's wheel ships flash_attn/cute only: `import flash_attn` gives an empty namespace package
+    namespace = types.ModuleType("flash_attn")
+    namespace.__path__ = []  # a package, without __file__ as a namespace package has
+    monkeypatch.setitem(sys.modules, "flash_attn", namespace)
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("flash_attn", fake_hopper) == "sdpa"
+    assert warnings_of(caplog) == ["attention backend 'flash_attn' is not available on cuda; using 'sdpa' instead"]
+    caplog.clear()
+    namespace.__file__ = "/site/flash_attn/__init__.py"  # a real package without the function is named
+    with caplog.at_level(logging.WARNING, logger="titanlite"):
+        assert A.resolve_backend("flash_attn", fake_hopper) == "sdpa"
+    assert "(it is installed but does not load: flash_attn has no flash_attn_func)" in warnings_of(caplog)[0]
+
+
 def test_a_broken_package_for_another_gpu_is_not_named(monkeypatch, fake_hopper, caplog):
     # flash-attn 3 is Hopper's alone: on a Blackwell GPU auto's row starts with it, and a broken install of it
     # there is not what passed it over

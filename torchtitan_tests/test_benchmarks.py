@@ -193,36 +193,72 @@ def test_timeout_ends_the_run_and_everything_it_started(tmp_path):
         assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers_as_they_were():
     """launch.execute makes SIGTERM, SIGHUP and SIGINT end its runs first (end_runs_on_signals): pytest's
     process gets its handlers back after each test."""
-    saved = {sig: signal.getsignal(sig) for sig in launch._ENDING_SIGNALS}
+    saved = {sig: signal.getsignal(sig) for sig in ENDING_SIGNALS}
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
 
 
+SIGNALLED = """import pathlib, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive shell starts it, whatever ours did
+sys.path.insert(0, {bench!r})
+import launch
+work = pathlib.Path({work!r})
+run = ['bash', '-c', 'setsid sleep 60 & echo $!; sleep 60 & echo $!; wait']
+if {threads}:  # rows in a pool, as gpu_matrix runs them: one at a time, each its own sleepers
+    launch.end_runs_on_signals()
+    import concurrent.futures as futures
+    with futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: launch.execute(f'run{{i:02d}}', run, 120, work=work), range(12)))
+else:
+    launch.execute('run00', run, 120, work=work)
+"""
+
+
+def _pids_in(work: Path) -> list[int]:
+    return [int(line) for log in sorted(work.glob("run*.log")) for line in log.read_text().splitlines(True)
+            if line.endswith("\n") and line.strip().isdigit()]
+
+
+@pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_that_ends_a_benchmark_script_ends_its_runs_first(tmp_path, sig):
-    """A `timeout` (SIGTERM) or Ctrl-C (SIGINT) around a script that runs through execute ends the run it
-    started and what that started in a session of its own (as torchrun's workers are), instead of leaving
-    them on the GPUs under the next call's runs."""
+def test_a_signal_that_ends_a_benchmark_script_ends_its_runs_first(tmp_path, sig, threads):
+    """A `timeout` (SIGTERM) or Ctrl-C (SIGINT) around a script that runs through execute, from its main thread
+    or from a pool's, ends the runs it started and what they started in a session of their own (as torchrun's
+    workers are), and no run starts after it, instead of leaving them on the GPUs under the next call's runs."""
     script = tmp_path / "script.py"
-    script.write_text(f"import sys, pathlib\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nimport launch\n"
-                      f"launch.execute('run', ['bash', '-c', 'setsid sleep 60 & echo $!; sleep 60 & echo $!; wait'], "
-                      f"120, work=pathlib.Path({str(tmp_path)!r}))\n")
+    script.write_text(SIGNALLED.format(bench=str(ROOT / "benchmarks"), work=str(tmp_path), threads=threads))
     p = subprocess.Popen([sys.executable, str(script)], env=child_env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
-    log, deadline = tmp_path / "run.log", time.time() + 60
-    while len(log.read_text().split() if log.exists() else []) < 2 and time.time() < deadline:
-        time.sleep(0.1)
-    pids = [int(x) for x in log.read_text().split()]
-    p.send_signal(sig)
-    assert p.wait(timeout=60) == -sig  # and then the signal's own end
-    for pid in pids:
-        state = Path(f"/proc/{pid}/stat")
-        assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    pids: list[int] = []
+    try:
+        deadline = time.time() + 60
+        while len(pids := _pids_in(tmp_path)) < (8 if threads else 2) and time.time() < deadline:
+            time.sleep(0.1)
+        t0 = time.time()
+        p.send_signal(sig)
+        assert p.wait(timeout=90) == -sig and time.time() - t0 < 30  # at once, then the signal's own end
+        time.sleep(1)
+        pids = _pids_in(tmp_path)  # with those of any run a row's thread started meanwhile
+        for pid in pids:
+            state = Path(f"/proc/{pid}/stat")
+            assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        assert len(list(tmp_path.glob("run*.log"))) < (12 if threads else 2)  # the rows after it did not start
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            p.kill()
 
 
 def test_timed_output_says_when_each_line_came_and_still_times_out(tmp_path):

@@ -141,7 +141,8 @@ class FlashAttn:
     def _load(cls):
         mod = _import(cls.name, cls.module)
         fn = getattr(mod, cls.func, None) if mod is not None else None
-        if mod is not None and fn is None:
+        # flash-attn 4's wheel alone makes `flash_attn` an empty namespace package (no __file__): not an install
+        if fn is None and getattr(mod, "__file__", None) is not None:
             LOAD_ERRORS[cls.name] = f"{cls.module} has no {cls.func}"
         return fn
 
