@@ -202,6 +202,9 @@ def _end_runs_and_go(signum, frame) -> None:
 class Ending(RuntimeError):
     """A run asked for after a signal began to end this process."""
 
+    def __init__(self):
+        super().__init__("a signal is ending this process: no run starts")
+
 
 def _started(p: subprocess.Popen) -> subprocess.Popen:
     with _LIVE_LOCK:
@@ -209,7 +212,7 @@ def _started(p: subprocess.Popen) -> subprocess.Popen:
             _LIVE.add(p)
             return p
     _kill_groups([p])  # started in the moment the handler began
-    raise Ending("a signal is ending this process: no run starts")
+    raise Ending()
 
 
 def _ended(p: subprocess.Popen) -> None:
@@ -224,7 +227,7 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
     seconds since the start when it came ("%7.1f "; timed_lines reads them back)."""
     end_runs_on_signals()
     if _ENDING.is_set():
-        raise Ending("a signal is ending this process: no run starts")
+        raise Ending()
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"{name}.log"
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
@@ -245,7 +248,7 @@ def execute(name: str, cmd: list[str], timeout: int, work: Path = WORK, cwd: Pat
             rc = None
             _kill_group(p)
         except BaseException:  # the handler's KeyboardInterrupt (it ended the run), or anything else
-            _kill_groups([p])
+            _kill_group(p)
             raise
         finally:
             _ended(p)

@@ -193,14 +193,11 @@ def test_timeout_ends_the_run_and_everything_it_started(tmp_path):
         assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
 @pytest.fixture(autouse=True)
 def signal_handlers_as_they_were():
     """launch.execute makes SIGTERM, SIGHUP and SIGINT end its runs first (end_runs_on_signals): pytest's
     process gets its handlers back after each test."""
-    saved = {sig: signal.getsignal(sig) for sig in ENDING_SIGNALS}
+    saved = {sig: signal.getsignal(sig) for sig in launch._ENDING_SIGNALS}
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
