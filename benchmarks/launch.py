@@ -193,6 +193,9 @@ def _end_runs_and_go(signum, frame) -> None:
             break
         _kill_groups(live)
         ended.update(live)
+    # a run whose start the signal came between (its process made, not yet in _LIVE) is no run of the set;
+    # every process a run's start made is still this process's descendant
+    _kill_groups([], others=_descendants(os.getpid()))
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)  # then the signal's own end, as if this handler had not been
@@ -305,19 +308,21 @@ def _kill_group(p: subprocess.Popen) -> None:
     _kill_groups([p])
 
 
-def _kill_groups(procs: list[subprocess.Popen]) -> None:
+def _kill_groups(procs: list[subprocess.Popen], others: list[int] = ()) -> None:
     """End runs together: each one's process group, then whatever of its descendants is left (torchrun
-    starts each worker in a new process group (setsid), so the group alone would leave them on the GPUs).
-    SIGTERM to all, up to 20 s for all of them to go, then SIGKILL to what is left, 5 s more."""
+    starts each worker in a new process group (setsid), so the group alone would leave them on the GPUs),
+    and the processes `others`. SIGTERM to all, up to 20 s for all of them to go, then SIGKILL to what is
+    left, 5 s more."""
     kids = {p: _descendants(p.pid) for p in procs}
+    pids = [*others, *(k for ks in kids.values() for k in ks)]
     for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
         _signal_runs(procs, sig, kids)
+        _signal_pids(others, sig)
         deadline = time.time() + wait
         while time.time() < deadline:
             # a signalled descendant takes a moment to exit after its group's leader has: wait for it too
             # (a leader unreaped because the thread waiting on it is the one this handler interrupted: gone too)
-            if all(p.poll() is not None or _gone(p.pid) for p in procs) and all(_gone(k) for ks in kids.values()
-                                                                                for k in ks):
+            if all(p.poll() is not None or _gone(p.pid) for p in procs) and all(map(_gone, pids)):
                 return
             time.sleep(0.05)
 
@@ -329,12 +334,16 @@ def _signal_runs(procs: list[subprocess.Popen], sig: int, kids: dict | None = No
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid in (kids[p] if kids is not None else _descendants(p.pid)):
-            if not _gone(pid):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        _signal_pids(kids[p] if kids is not None else _descendants(p.pid), sig)
+
+
+def _signal_pids(pids, sig: int) -> None:
+    for pid in pids:
+        if not _gone(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _gone(pid: int) -> bool:
